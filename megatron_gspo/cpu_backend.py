@@ -1,0 +1,328 @@
+"""The one place that adapts megatron-core's CUDA assumptions to a CPU-only machine.
+
+megatron-core 0.16 hard-codes CUDA in a handful of places (RNG tracker, ``torch.cuda.current_device()``
+as a device, ``device="cuda"`` tensors in pipeline schedules and the optimizer, a CUDA tensor-type
+assert in gradient clipping, CUDA type names in the distributed optimizer). Each adaptation below
+says why it exists, carries a probe that tells whether the installed megatron-core still needs it (so
+it switches itself off once upstream is fixed), and is applied only when the device is the CPU.
+
+``activate(device)`` is idempotent and returns the names of the adaptations that are in force.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+# ---------------------------------------------------------------------------------------------
+# torch as seen from an adapted module: "cuda" means the CPU.
+# ---------------------------------------------------------------------------------------------
+
+_DEVICE_FACTORIES = frozenset({
+    "zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint", "zeros_like",
+    "ones_like", "empty_like", "full_like", "as_tensor", "eye", "linspace",
+})
+
+
+def _cpu_if_cuda(fn: Callable, *args, **kwargs):
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "cuda":
+        kwargs["device"] = "cpu"
+    return fn(*args, **kwargs)
+
+
+class _CudaOnCpu:
+    """``torch.cuda`` for an adapted module: the current device is the CPU, syncs are no-ops."""
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    @staticmethod
+    def synchronize(*_args, **_kwargs) -> None:
+        return None
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCpu:
+    """Stands in for the ``torch`` name inside one megatron module; everything else is torch."""
+
+    def __init__(self) -> None:
+        self.cuda = _CudaOnCpu()
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name in _DEVICE_FACTORIES:
+            return functools.partial(_cpu_if_cuda, attr)
+        return attr
+
+
+TORCH_ON_CPU = _TorchOnCpu()
+
+# A module needs the redirect when it builds tensors on "cuda" or asks CUDA for the current device.
+_CUDA_DEVICE_USE = re.compile(
+    r"""device\s*=\s*['"]cuda['"]|torch\.cuda\.(current_device|synchronize)\(""")
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG tracker on the CPU generator.
+# ---------------------------------------------------------------------------------------------
+
+def _cpu_tracker_class():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """Megatron's named RNG streams, kept as CPU generator states.
+
+        Megatron forks named CUDA RNG streams around weight init and dropout; on a CPU-only torch
+        every ``torch.cuda.*rng_state`` call raises. The streams keep their meaning (independent per
+        TP/EP rank) but live on the CPU default generator.
+        """
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            orig_name = self._current_state_name
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+                self._current_state_name = orig_name
+
+    return CpuRNGStatesTracker
+
+
+def _rng_needed() -> bool:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    try:
+        mrandom.CudaRNGStatesTracker().add("probe", 1)
+    except (RuntimeError, AssertionError, AttributeError):
+        return True
+    return False
+
+
+def _rng_apply() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._CUDA_RNG_STATE_TRACKER = _cpu_tracker_class()()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def _rng_active() -> bool:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    return type(mrandom._CUDA_RNG_STATE_TRACKER).__name__ == "CpuRNGStatesTracker"
+
+
+def seed_rng_tracker(seed: int, *, tp_rank: int, ep_rank: int, etp_rank: int) -> None:
+    """CPU twin of megatron's ``model_parallel_cuda_manual_seed`` (same per-rank seed offsets)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = _cpu_tracker_class()()
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient clipping and the distributed optimizer.
+# ---------------------------------------------------------------------------------------------
+
+def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """CPU version of megatron's function of the same name: scale every grad by max_norm/total_norm.
+
+    Megatron's version asserts ``grad.type() == 'torch.cuda.FloatTensor'`` and uses apex/TE
+    multi-tensor kernels; on CPU a foreach multiply does the same arithmetic.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if grads and clip_coeff < 1.0:
+        torch._foreach_mul_([g.detach() for g in grads], clip_coeff)
+
+
+def _clip_needed() -> bool:
+    from megatron.core.optimizer import clip_grads
+
+    return "torch.cuda.FloatTensor" in inspect.getsource(clip_grads.clip_grad_by_total_norm_fp32)
+
+
+def _clip_apply() -> None:
+    for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
+        module = importlib.import_module(name)
+        module.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+def _clip_active() -> bool:
+    from megatron.core.optimizer import optimizer
+
+    return optimizer.clip_grad_by_total_norm_fp32 is clip_grad_by_total_norm_fp32
+
+
+_CPU_TO_CUDA_TYPE = {"torch.FloatTensor": "torch.cuda.FloatTensor",
+                     "torch.HalfTensor": "torch.cuda.HalfTensor",
+                     "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original(self)
+            return _CPU_TO_CUDA_TYPE.get(name, name)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _distopt_needed() -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return "'torch.cuda.FloatTensor'" in inspect.getsource(distrib_optimizer)
+
+
+def _distopt_apply() -> None:
+    """DistributedOptimizer sorts params by CUDA tensor-type strings and rejects CPU ones.
+
+    CPU tensors are reported under their CUDA type names only while its constructor runs.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    init = DistributedOptimizer.__init__
+    if getattr(init, "_cpu_adapted", False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        with _cuda_type_names():
+            init(self, *args, **kwargs)
+
+    __init__._cpu_adapted = True
+    DistributedOptimizer.__init__ = __init__
+
+
+def _distopt_active() -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return getattr(DistributedOptimizer.__init__, "_cpu_adapted", False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry.
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Adaptation:
+    name: str
+    why: str
+    needed: Callable[[], bool]
+    apply: Callable[[], None]
+    active: Callable[[], bool]
+
+
+def _redirect(module_name: str, why: str) -> Adaptation:
+    def module():
+        return importlib.import_module(module_name)
+
+    def needed() -> bool:
+        return bool(_CUDA_DEVICE_USE.search(inspect.getsource(module())))
+
+    def apply() -> None:
+        module().torch = TORCH_ON_CPU
+
+    def active() -> bool:
+        return module().__dict__.get("torch") is TORCH_ON_CPU
+
+    return Adaptation(f"cuda_device:{module_name}", why, needed, apply, active)
+
+
+ADAPTATIONS: tuple[Adaptation, ...] = (
+    Adaptation("rng_tracker", "Megatron's RNG tracker keeps CUDA generator states; a CPU-only torch "
+               "raises on every torch.cuda RNG call", _rng_needed, _rng_apply, _rng_active),
+    _redirect("megatron.core.models.common.embeddings.rotary_pos_embedding",
+              "RoPE moves inv_freq to torch.cuda.current_device()"),
+    _redirect("megatron.core.utils", "GlobalMemoryBuffer and the local L2-norm kernel allocate on "
+              "torch.cuda.current_device() / device='cuda'"),
+    _redirect("megatron.core.transformer.utils", "the default causal mask is built on 'cuda'"),
+    _redirect("megatron.core.transformer.moe.router", "router buffers go to current_device()"),
+    _redirect("megatron.core.pipeline_parallel.schedules",
+              "schedules count tokens in a 'cuda' tensor"),
+    _redirect("megatron.core.pipeline_parallel.p2p_communication",
+              "p2p shape exchange allocates on current_device() and calls torch.cuda.synchronize()"),
+    _redirect("megatron.core.optimizer.optimizer", "found_inf / loss-scale tensors on 'cuda'"),
+    _redirect("megatron.core.optimizer.clip_grads", "grad-norm reduction buffers on 'cuda'"),
+    Adaptation("clip_grad_by_total_norm_fp32", "megatron asserts grads are torch.cuda.FloatTensor "
+               "whenever clip_grad > 0", _clip_needed, _clip_apply, _clip_active),
+    Adaptation("distributed_optimizer_param_types", "DistributedOptimizer groups params by CUDA "
+               "tensor-type names and raises TypeError on CPU ones", _distopt_needed, _distopt_apply,
+               _distopt_active),
+)
+
+
+def activate(device: torch.device) -> list[str]:
+    """Apply every needed adaptation when ``device`` is the CPU; do nothing on GPU.
+
+    Returns the names of adaptations in force afterwards (empty on GPU).
+    """
+    if torch.device(device).type != "cpu":
+        return []
+    for adaptation in ADAPTATIONS:
+        if not adaptation.active() and adaptation.needed():
+            adaptation.apply()
+    return [a.name for a in ADAPTATIONS if a.active()]
+
+
+def moe_dispatcher(device: torch.device) -> str:
+    """Token dispatcher for ``device``.
+
+    The all-to-all dispatcher creates a ``torch.cuda.Stream`` and its uneven all_to_all splits are
+    rejected by gloo; the all-gather dispatcher is exact and runs over gloo. GPUs keep all-to-all.
+    """
+    return "allgather" if torch.device(device).type == "cpu" else "alltoall"
+
+
+def model_init_on_cpu(device: torch.device) -> bool:
+    """Megatron's GPU weight init forks CUDA RNG streams per partition; on CPU it initialises the
+    full master weight and slices it, which is also identical across TP layouts."""
+    return torch.device(device).type == "cpu"

@@ -1,0 +1,127 @@
+"""Builds a Megatron-core ``GPTModel`` shaped like Qwen3-MoE for one rank of a parallel layout."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from megatron_gspo import cpu_backend, te
+from megatron_gspo.config import ModelConfig
+from megatron_gspo.parallel import ParallelContext
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def transformer_config(model: ModelConfig, ctx: ParallelContext, **overrides):
+    """Megatron ``TransformerConfig`` for ``model`` under layout ``ctx``."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = _DTYPES[model.params_dtype]
+    moe = {}
+    if model.is_moe:
+        moe = dict(
+            num_moe_experts=model.num_experts,
+            moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+            moe_router_topk=model.top_k,
+            moe_router_score_function="softmax",
+            # Megatron's "softmax after top-k" equals HF's normalised top-k probabilities;
+            # "pre-softmax" (softmax over all experts, then top-k) equals norm_topk_prob=False.
+            moe_router_pre_softmax=not model.norm_topk_prob,
+            moe_router_load_balancing_type="aux_loss" if model.aux_loss_coeff > 0 else "none",
+            moe_aux_loss_coeff=model.aux_loss_coeff,
+            moe_router_dtype="fp32",
+            moe_layer_freq=model.moe_layer_pattern,
+            moe_token_dispatcher_type=cpu_backend.moe_dispatcher(ctx.device),
+            moe_grouped_gemm=te.use_te_spec(ctx.device.type),
+            moe_permute_fusion=False,
+            moe_shared_expert_intermediate_size=model.shared_expert_ffn_hidden_size or None,
+        )
+    kwargs = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim,
+        ffn_hidden_size=model.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=ctx.tp,
+        pipeline_model_parallel_size=ctx.pp,
+        expert_model_parallel_size=ctx.ep,
+        expert_tensor_parallel_size=ctx.etp,
+        context_parallel_size=ctx.cp,
+        sequence_parallel=ctx.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=cpu_backend.model_init_on_cpu(ctx.device),
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        **moe,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(config, ctx: ParallelContext):
+    """Transformer Engine spec on GPU when TE imports; otherwise Megatron's local spec with an
+    SP-capable RMSNorm and SDPA core attention in place of the unfused attention fallback."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_gspo.layers import RMSNorm, SDPAttention
+
+    if te.use_te_spec(ctx.device.type):
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, pp_rank=ctx.pp_rank)
+    te.ensure_router_gemm_symbol()
+    block = copy.deepcopy(
+        get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=ctx.pp_rank))
+    for spec in block.layer_specs:
+        sub = spec.submodules
+        sub.input_layernorm = RMSNorm
+        sub.pre_mlp_layernorm = RMSNorm
+        attn = sub.self_attention.submodules
+        attn.core_attention = SDPAttention
+        attn.q_layernorm = RMSNorm
+        attn.k_layernorm = RMSNorm
+    block.layer_norm = RMSNorm
+    return block
+
+
+def build_model(model: ModelConfig, ctx: ParallelContext, **config_overrides):
+    """This rank's ``GPTModel`` (its pipeline stage, TP shard and local experts), on ctx.device."""
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(model, ctx, **config_overrides)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config, ctx),
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=ctx.is_first_stage,
+        post_process=ctx.is_last_stage,
+        parallel_output=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=int(model.rope_theta),
+        rotary_percent=1.0,
+        pg_collection=ctx.pg,
+    )
+    return gpt.to(ctx.device)
+
+
+def count_parameters(gpt) -> int:
+    return sum(p.numel() for p in gpt.parameters())

@@ -1,0 +1,180 @@
+"""Distributed setup: torch.distributed plus Megatron's parallel state, handed out as one context.
+
+Everything that communicates receives a ``ParallelContext`` (or one of its groups) explicitly; no code
+outside this module reads Megatron's ``parallel_state`` getters. The layout is validated against the
+world size and the model before any process group is created.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.config import ModelConfig, ParallelConfig
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Sizes, this rank's coordinates and the process groups of one parallel layout."""
+
+    world_size: int
+    rank: int
+    device: torch.device
+    tp: int
+    pp: int
+    ep: int
+    cp: int
+    etp: int
+    dp: int
+    sequence_parallel: bool
+    tp_rank: int
+    pp_rank: int
+    ep_rank: int
+    cp_rank: int
+    etp_rank: int
+    dp_rank: int
+    pg: Any  # megatron.core.process_groups_config.ProcessGroupCollection
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def tp_group(self):
+        return self.pg.tp
+
+    @property
+    def cp_group(self):
+        return self.pg.cp
+
+    @property
+    def pp_group(self):
+        return self.pg.pp
+
+    @property
+    def dp_group(self):
+        return self.pg.dp
+
+    @property
+    def ep_group(self):
+        return self.pg.ep
+
+    def describe(self) -> str:
+        return (f"world={self.world_size} tp={self.tp} pp={self.pp} ep={self.ep} cp={self.cp} "
+                f"etp={self.etp} dp={self.dp} sp={self.sequence_parallel} device={self.device.type}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_device(cfg: ParallelConfig) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def resolve_backend(cfg: ParallelConfig, device: torch.device) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_parallel(cfg: ParallelConfig, model: ModelConfig, *, seed: Optional[int] = None
+                  ) -> ParallelContext:
+    """Initialise torch.distributed (torchrun env or a single process) and Megatron's groups.
+
+    Raises ``ConfigError`` before creating any process group when the layout is invalid.
+    """
+    device = resolve_device(cfg)
+    world_size = world_size_from_env()
+    dp = cfg.validate(world_size, model, device_type=device.type)
+    backend = resolve_backend(cfg, device)
+
+    from megatron_gspo import cpu_backend
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        cpu_backend.activate(device)
+
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            dist.init_process_group(backend=backend, init_method="env://")
+        else:
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                    rank=0, world_size=1)
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tp,
+        pipeline_model_parallel_size=cfg.pp,
+        context_parallel_size=cfg.cp,
+        expert_model_parallel_size=cfg.ep,
+        expert_tensor_parallel_size=cfg.expert_tp,
+    )
+    ctx = ParallelContext(
+        world_size=world_size, rank=dist.get_rank(), device=device,
+        tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp, etp=cfg.expert_tp, dp=dp,
+        sequence_parallel=cfg.sequence_parallel,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        cp_rank=ps.get_context_parallel_rank(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        pg=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+    if seed is not None:
+        seed_all(ctx, seed)
+    return ctx
+
+
+def seed_all(ctx: ParallelContext, seed: int) -> None:
+    """Seed Python, numpy, torch and Megatron's RNG tracker the way Megatron offsets them per rank."""
+    import random
+
+    import numpy as np
+
+    # Same offsets as megatron's model_parallel_cuda_manual_seed: pipeline stages differ, and the
+    # tensor/expert-parallel streams differ per rank so that dropout masks are independent.
+    stage_seed = seed + 100 * ctx.pp_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    if ctx.device.type == "cuda":
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+    else:
+        from megatron_gspo import cpu_backend
+
+        cpu_backend.seed_rng_tracker(stage_seed, tp_rank=ctx.tp_rank, ep_rank=ctx.ep_rank,
+                                     etp_rank=ctx.etp_rank)
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron's groups and torch.distributed (for tests and clean exits)."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

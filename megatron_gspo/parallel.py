@@ -38,6 +38,7 @@ class ParallelContext:
     cp_rank: int
     etp_rank: int
     dp_rank: int
+    edp_rank: int  # rank among the replicas of this rank's experts
     pg: Any  # megatron.core.process_groups_config.ProcessGroupCollection
 
     @property
@@ -141,6 +142,7 @@ def init_parallel(cfg: ParallelConfig, model: ModelConfig, *, seed: Optional[int
         cp_rank=ps.get_context_parallel_rank(),
         etp_rank=ps.get_expert_tensor_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
+        edp_rank=ps.get_expert_data_parallel_rank(),
         pg=ProcessGroupCollection.use_mpu_process_groups(),
     )
     if seed is not None:

@@ -1,0 +1,59 @@
+"""Pipeline-aware forward (and backward) of a GPTModel over micro-batches.
+
+Every layout goes through Megatron's ``get_forward_backward_func``, so the same call runs without
+pipelining and with 1F1B pipeline schedules. Shapes: ``B`` micro-batch size, ``S`` sequence length.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from megatron_gspo.parallel import ParallelContext
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of token ids and the ids they predict (next tokens)."""
+
+    tokens_BS: torch.Tensor
+    targets_BS: torch.Tensor
+    position_ids_BS: Optional[torch.Tensor] = None
+
+    def positions(self) -> torch.Tensor:
+        if self.position_ids_BS is not None:
+            return self.position_ids_BS
+        b, s = self.tokens_BS.shape
+        return torch.arange(s, device=self.tokens_BS.device).expand(b, s)
+
+
+# loss_fn(micro_batch, logits_BSV) -> (scalar loss, metrics dict); runs on the last stage only.
+LossFn = Callable[[MicroBatch, torch.Tensor], tuple]
+
+
+def forward_backward(gpt, micro_batches: list[MicroBatch], ctx: ParallelContext, loss_fn: LossFn,
+                     *, forward_only: bool = False) -> list[dict]:
+    """Run all micro-batches through ``gpt``; returns each micro-batch's metrics on the last stage
+    (an empty list elsewhere). Gradients accumulate in ``.grad`` / ``.main_grad`` unless
+    ``forward_only``."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def step(data_iter, model):
+        mb = next(data_iter)
+        logits = model(mb.tokens_BS.to(ctx.device), mb.positions().to(ctx.device),
+                       attention_mask=None)
+        return logits, functools.partial(loss_fn, mb)
+
+    b, s = micro_batches[0].tokens_BS.shape
+    run = get_forward_backward_func(pp_size=ctx.pp)
+    extra = {}
+    if ctx.pp > 1:  # the pipelined schedule takes its p2p communicator explicitly with the groups
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        extra["p2p_communicator"] = P2PCommunicator(ctx.pp_group, gpt.config)
+    return run(forward_step_func=step, data_iterator=iter(micro_batches), model=[gpt],
+               num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b,
+               forward_only=forward_only, pg_collection=ctx.pg, **extra)

@@ -1,0 +1,406 @@
+"""Hugging Face Qwen3-MoE <-> Megatron GPTModel weights, for any TP / PP / EP / expert-TP layout.
+
+Two steps per parameter:
+1. HF tensors <-> the Megatron *global* tensor (the TP=1 form): QKV interleaved per query group,
+   SwiGLU ``linear_fc1`` = [gate; up], names with global layer and expert indices;
+2. global tensor <-> this rank's shard: split along one dim over TP (or expert-TP), SwiGLU weights
+   split gate and up separately, layers by pipeline stage, experts by expert-parallel rank.
+
+Only copies happen, so HF -> Megatron -> HF is bitwise. Shapes: ``H`` hidden, ``V`` vocab, ``N``
+heads, ``G`` query groups, ``D`` head dim, ``F`` dense FFN, ``I`` expert FFN, ``E`` experts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.config import ModelConfig
+from megatron_gspo.parallel import ParallelContext
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face checkpoint that cannot be used; the message names the file or tensor."""
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json
+# ---------------------------------------------------------------------------------------------
+
+def model_config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
+    """ModelConfig from a Qwen3-MoE ``config.json`` dict."""
+    def need(key, *alts):
+        for k in (key, *alts):
+            if k in hf:
+                return hf[k]
+        raise HFCheckpointError(f"config.json: missing key {key!r}")
+
+    num_layers = need("num_hidden_layers")
+    num_experts = need("num_experts", "num_local_experts")
+    mlp_only = sorted(hf.get("mlp_only_layers") or [])
+    step = hf.get("decoder_sparse_step", 1)
+    pattern = [0 if (i in mlp_only or num_experts == 0 or (i + 1) % step) else 1
+               for i in range(num_layers)]
+    first_dense = pattern.index(1) if 1 in pattern else num_layers
+    if pattern != [0] * first_dense + [1] * (num_layers - first_dense):
+        raise HFCheckpointError(f"config.json: MoE layer pattern {pattern} is not 'k dense layers, "
+                                "then MoE'; only leading dense layers are supported")
+    rope = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    heads = need("num_attention_heads")
+    return ModelConfig(
+        name=name,
+        vocab_size=need("vocab_size"),
+        hidden_size=need("hidden_size"),
+        num_layers=num_layers,
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads", heads),
+        head_dim=hf.get("head_dim") or need("hidden_size") // heads,
+        ffn_hidden_size=need("intermediate_size"),
+        moe_ffn_hidden_size=hf.get("moe_intermediate_size", 0),
+        num_experts=num_experts,
+        top_k=hf.get("num_experts_per_tok", 1),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
+        first_k_dense=first_dense if num_experts else 0,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope),
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        params_dtype="float32",
+    ).validate()
+
+
+def hf_config_from_model(m: ModelConfig) -> dict:
+    """A Qwen3-MoE ``config.json`` dict describing ``m``."""
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_query_groups,
+        "head_dim": m.head_dim,
+        "intermediate_size": m.ffn_hidden_size,
+        "moe_intermediate_size": m.moe_ffn_hidden_size,
+        "num_experts": m.num_experts,
+        "num_experts_per_tok": m.top_k,
+        "norm_topk_prob": m.norm_topk_prob,
+        "router_aux_loss_coef": m.aux_loss_coeff,
+        "mlp_only_layers": list(range(m.first_k_dense)),
+        "decoder_sparse_step": 1,
+        "rms_norm_eps": m.rms_norm_eps,
+        "rope_theta": m.rope_theta,
+        "max_position_embeddings": m.max_position_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": m.params_dtype,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and writing safetensors checkpoints (sharded or not).
+# ---------------------------------------------------------------------------------------------
+
+class HFCheckpoint:
+    """Lazy reader of a HF checkpoint directory: config.json + *.safetensors (+ index)."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self.path = path
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise HFCheckpointError(f"{path}: no config.json")
+        try:
+            with open(cfg_path) as f:
+                self.config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise HFCheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.weight_map = json.load(f)["weight_map"]
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not files:
+                raise HFCheckpointError(f"{path}: no .safetensors files")
+            self.weight_map = {}
+            for fname in files:
+                with safe_open(os.path.join(path, fname), "pt") as f:
+                    self.weight_map.update({k: fname for k in f.keys()})
+        self._open = {}
+        self._safe_open = safe_open
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str, shape: Optional[tuple] = None) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise HFCheckpointError(f"{self.path}: missing tensor {name!r}")
+        fname = self.weight_map[name]
+        if fname not in self._open:
+            full = os.path.join(self.path, fname)
+            if not os.path.isfile(full):
+                raise HFCheckpointError(f"{self.path}: tensor {name!r} points to missing {fname}")
+            self._open[fname] = self._safe_open(full, "pt")
+        tensor = self._open[fname].get_tensor(name)
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
+            raise HFCheckpointError(f"{self.path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                    f"expected {tuple(shape)}")
+        return tensor
+
+
+def write_hf_checkpoint(tensors: dict, config: dict, out_dir: str,
+                        max_shard_bytes: int = 4 << 30) -> None:
+    """Write ``tensors`` as safetensors shards (with an index when more than one) and config.json."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    shards, current, size = [], {}, 0
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The mapping.
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rule:
+    """How one Megatron global tensor relates to HF tensors and to this rank's shard."""
+
+    hf: tuple[tuple[str, tuple], ...]  # (HF name, HF shape) pairs
+    to_global: Callable[[list], torch.Tensor]
+    from_global: Callable[[torch.Tensor], list]
+    split_dim: Optional[int] = None  # None: replicated across the split group
+    split_group: Optional[str] = None  # "tp" | "etp"
+    glu: bool = False  # SwiGLU fc1: gate and up halves are split separately
+    expert: bool = False
+
+
+def _same(ts):
+    return ts[0]
+
+
+def _one(t):
+    return [t]
+
+
+def _qkv_rules(m: ModelConfig, p: str) -> Rule:
+    n, g, d, h = m.num_attention_heads, m.num_query_groups, m.head_dim, m.hidden_size
+    per = n // g
+
+    def to_global(ts):
+        q, k, v = ts
+        return torch.cat([q.view(g, per * d, h), k.view(g, d, h), v.view(g, d, h)], 1).reshape(-1, h)
+
+    def from_global(t):
+        t = t.view(g, per + 2, d, h)
+        return [t[:, :per].reshape(n * d, h), t[:, per].reshape(g * d, h),
+                t[:, per + 1].reshape(g * d, h)]
+
+    return Rule(((f"{p}.self_attn.q_proj.weight", (n * d, h)),
+                 (f"{p}.self_attn.k_proj.weight", (g * d, h)),
+                 (f"{p}.self_attn.v_proj.weight", (g * d, h))),
+                to_global, from_global, split_dim=0, split_group="tp")
+
+
+def _glu_rule(gate: str, up: str, ffn: int, h: int, group: str, expert: bool) -> Rule:
+    return Rule(((gate, (ffn, h)), (up, (ffn, h))), lambda ts: torch.cat(ts, 0),
+                lambda t: list(t.chunk(2, 0)), split_dim=0, split_group=group, glu=True,
+                expert=expert)
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|"
+                     r"(linear_fc[12])\.weight(\d+))$")
+
+
+def rule_for(global_name: str, m: ModelConfig) -> Rule:
+    """The rule of one Megatron global parameter name (global layer and expert indices)."""
+    h, v = m.hidden_size, m.vocab_size
+    if global_name == "embedding.word_embeddings.weight":
+        return Rule((("model.embed_tokens.weight", (v, h)),), _same, _one, 0, "tp")
+    if global_name == "output_layer.weight":
+        return Rule((("lm_head.weight", (v, h)),), _same, _one, 0, "tp")
+    if global_name == "decoder.final_layernorm.weight":
+        return Rule((("model.norm.weight", (h,)),), _same, _one)
+    match = _LAYER.match(global_name)
+    if not match:
+        raise KeyError(f"no HF mapping for Megatron parameter {global_name!r}")
+    layer, rest = int(match.group(1)), match.group(2)
+    p = f"model.layers.{layer}"
+    simple = {
+        "input_layernorm.weight": (f"{p}.input_layernorm.weight", (h,)),
+        "self_attention.linear_qkv.layer_norm_weight": (f"{p}.input_layernorm.weight", (h,)),
+        "pre_mlp_layernorm.weight": (f"{p}.post_attention_layernorm.weight", (h,)),
+        "mlp.linear_fc1.layer_norm_weight": (f"{p}.post_attention_layernorm.weight", (h,)),
+        "self_attention.q_layernorm.weight": (f"{p}.self_attn.q_norm.weight", (m.head_dim,)),
+        "self_attention.k_layernorm.weight": (f"{p}.self_attn.k_norm.weight", (m.head_dim,)),
+        "mlp.router.weight": (f"{p}.mlp.gate.weight", (m.num_experts, h)),
+    }
+    if rest in simple:
+        return Rule((simple[rest],), _same, _one)
+    if rest == "self_attention.linear_qkv.weight":
+        return _qkv_rules(m, p)
+    if rest == "self_attention.linear_proj.weight":
+        return Rule(((f"{p}.self_attn.o_proj.weight", (h, m.num_attention_heads * m.head_dim)),),
+                    _same, _one, 1, "tp")
+    if rest == "mlp.linear_fc1.weight":
+        return _glu_rule(f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight",
+                         m.ffn_hidden_size, h, "tp", False)
+    if rest == "mlp.linear_fc2.weight":
+        return Rule(((f"{p}.mlp.down_proj.weight", (h, m.ffn_hidden_size)),), _same, _one, 1, "tp")
+    em = _EXPERT.match(rest)
+    if em:
+        expert = int(em.group(1) if em.group(1) is not None else em.group(4))
+        fc = em.group(2) or em.group(3)
+        e, i = f"{p}.mlp.experts.{expert}", m.moe_ffn_hidden_size
+        if fc == "linear_fc1":
+            return _glu_rule(f"{e}.gate_proj.weight", f"{e}.up_proj.weight", i, h, "etp", True)
+        return Rule(((f"{e}.down_proj.weight", (h, i)),), _same, _one, 1, "etp", expert=True)
+    if rest.startswith("mlp.shared_experts"):
+        raise KeyError("the Qwen3-MoE HF format has no shared expert; set "
+                       "model.shared_expert_ffn_hidden_size=0 to convert")
+    raise KeyError(f"no HF mapping for Megatron parameter {global_name!r}")
+
+
+def global_name(local_name: str, m: ModelConfig, ctx: ParallelContext) -> str:
+    """Replace this rank's layer and expert numbers with global ones."""
+    match = _LAYER.match(local_name)
+    if not match:
+        return local_name
+    layer = ctx.pp_rank * (m.num_layers // ctx.pp) + int(match.group(1))
+    rest = match.group(2)
+    em = _EXPERT.match(rest)
+    if em:
+        per_rank = m.num_experts // ctx.ep
+        if em.group(1) is not None:
+            rest = (f"mlp.experts.local_experts.{ctx.ep_rank * per_rank + int(em.group(1))}."
+                    f"{em.group(2)}.weight")
+        else:
+            rest = f"mlp.experts.{em.group(3)}.weight{ctx.ep_rank * per_rank + int(em.group(4))}"
+    return f"decoder.layers.{layer}.{rest}"
+
+
+def _split(rule: Rule, ctx: ParallelContext) -> tuple[int, int]:
+    if rule.split_dim is None:
+        return 0, 1
+    return (ctx.tp_rank, ctx.tp) if rule.split_group == "tp" else (ctx.etp_rank, ctx.etp)
+
+
+def to_local(rule: Rule, full: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    rank, size = _split(rule, ctx)
+    if size == 1:
+        return full
+    if rule.glu:
+        gate, up = full.chunk(2, 0)
+        return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]], 0)
+    return full.chunk(size, rule.split_dim)[rank]
+
+
+def from_pieces(rule: Rule, pieces: list) -> torch.Tensor:
+    if len(pieces) == 1:
+        return pieces[0]
+    if rule.glu:
+        halves = [p.chunk(2, 0) for p in pieces]
+        return torch.cat([torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)])
+    return torch.cat(pieces, rule.split_dim)
+
+
+def _local_params(gpt) -> dict:
+    return {k: v for k, v in gpt.state_dict().items()
+            if not k.endswith("_extra_state") and isinstance(v, torch.Tensor)
+            and "rotary_pos_emb" not in k}
+
+
+@torch.no_grad()
+def load_hf_weights(gpt, hf_dir: str, m: ModelConfig, ctx: ParallelContext) -> int:
+    """Copy a HF Qwen3-MoE checkpoint into this rank's shard of ``gpt``; returns tensors copied."""
+    ckpt = HFCheckpoint(hf_dir)
+    tied = ckpt.config.get("tie_word_embeddings", False) and "lm_head.weight" not in ckpt
+    copied = 0
+    for name, param in _local_params(gpt).items():
+        rule = rule_for(global_name(name, m, ctx), m)
+        hf_names = [("model.embed_tokens.weight", s) if tied and n == "lm_head.weight" else (n, s)
+                    for n, s in rule.hf]
+        full = rule.to_global([ckpt.get(n, s) for n, s in hf_names])
+        local = to_local(rule, full, ctx)
+        if local.shape != param.shape:
+            raise HFCheckpointError(f"{hf_dir}: {', '.join(n for n, _ in rule.hf)} give {name} shape "
+                                    f"{tuple(local.shape)}, model expects {tuple(param.shape)}")
+        param.copy_(local)
+        copied += 1
+    return copied
+
+
+def _contributes(rule: Rule, ctx: ParallelContext) -> bool:
+    """One replica of each shard is enough: DP rank 0, and TP rank 0 for TP-replicated tensors."""
+    if rule.expert:  # split over expert-TP, replicated over expert-DP
+        return ctx.edp_rank == 0
+    if ctx.dp_rank != 0 or ctx.cp_rank != 0:
+        return False
+    return rule.split_dim is not None or ctx.tp_rank == 0
+
+
+@torch.no_grad()
+def gather_hf_state(gpt, m: ModelConfig, ctx: ParallelContext) -> Optional[dict]:
+    """All ranks call; rank 0 gets {HF name: tensor} of the whole model, other ranks None."""
+    local = {}
+    for name, param in _local_params(gpt).items():
+        gname = global_name(name, m, ctx)
+        rule = rule_for(gname, m)
+        if _contributes(rule, ctx):
+            rank, _ = _split(rule, ctx)
+            local[(gname, rank)] = param.detach().to("cpu", copy=True)
+    gathered = [None] * ctx.world_size if ctx.rank == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    if ctx.rank != 0:
+        return None
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    for part in gathered:
+        for (gname, rank), t in part.items():
+            pieces.setdefault(gname, {})[rank] = t
+    out = {}
+    for gname, by_rank in pieces.items():
+        rule = rule_for(gname, m)
+        full = from_pieces(rule, [by_rank[r] for r in sorted(by_rank)])
+        for (hf_name, shape), t in zip(rule.hf, rule.from_global(full)):
+            out[hf_name] = t.reshape(shape).clone()
+    return out
+
+
+def export_hf(gpt, m: ModelConfig, ctx: ParallelContext, out_dir: str,
+              hf_config: Optional[dict] = None) -> None:
+    """All ranks call; rank 0 writes a HF checkpoint of the whole model to ``out_dir``."""
+    state = gather_hf_state(gpt, m, ctx)
+    if state is not None:
+        write_hf_checkpoint(state, hf_config or hf_config_from_model(m), out_dir)
+    dist.barrier()

@@ -1,0 +1,58 @@
+"""Functions that run on every spawned rank of the model tests (importable by child processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+
+def tiny_model_config(hf_dir):
+    from megatron_gspo.hf_qwen3moe import model_config_from_hf
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        return model_config_from_hf(json.load(f))
+
+
+def logprob_pass(gpt, ctx, tokens_BS, micro_batches=1, backward=True):
+    """Forward (+ backward) over ``tokens_BS`` split into micro-batches; last stage gets logp."""
+    from megatron_gspo.forward import MicroBatch, forward_backward
+    from megatron_gspo.logprobs import token_logprobs
+
+    def loss_fn(mb, logits):
+        logp, ent = token_logprobs(logits, mb.targets_BS, group=ctx.tp_group, with_entropy=True)
+        return -logp.mean(), {"logp": logp.detach(), "entropy": ent.detach()}
+
+    mbs = [MicroBatch(t[:, :-1], t[:, 1:]) for t in tokens_BS.chunk(micro_batches)]
+    out = forward_backward(gpt, mbs, ctx, loss_fn, forward_only=not backward)
+    if not out:
+        return None, None
+    return torch.cat([o["logp"] for o in out]), torch.cat([o["entropy"] for o in out])
+
+
+def layout_job(hf_dir, parallel_kwargs, tokens_BS, export_dir=None):
+    """Import the HF checkpoint into a layout, run forward+backward, optionally export it again."""
+    from megatron_gspo.config import ParallelConfig
+    from megatron_gspo.hf_qwen3moe import export_hf, load_hf_weights
+    from megatron_gspo.model import build_model
+    from megatron_gspo.parallel import init_parallel
+
+    cfg = tiny_model_config(hf_dir)
+    ctx = init_parallel(ParallelConfig(**parallel_kwargs), cfg, seed=0)
+    gpt = build_model(cfg, ctx)
+    load_hf_weights(gpt, hf_dir, cfg, ctx)
+    micro_batches = 2 if ctx.pp > 1 else 1
+    logp, ent = logprob_pass(gpt, ctx, tokens_BS, micro_batches=micro_batches)
+    grads = [p.grad for p in gpt.parameters() if p.grad is not None]
+    result = {
+        "logp": logp if ctx.tp_rank == 0 else None,
+        "entropy": ent if ctx.tp_rank == 0 else None,
+        "grads_finite": all(bool(torch.isfinite(g).all()) for g in grads),
+        "grad_sq": float(sum((g.double() ** 2).sum() for g in grads)),
+        "params_with_grad": len(grads),
+        "params": sum(1 for _ in gpt.parameters()),
+    }
+    if export_dir is not None:
+        export_hf(gpt, cfg, ctx, export_dir)
+    return result

@@ -19,7 +19,7 @@ def main(cfg: DictConfig) -> None:
 
     # Megatron logs every parameter group at INFO and warns about each missing optional kernel.
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     try:
         job = job_from_omegaconf(cfg)

@@ -49,7 +49,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()

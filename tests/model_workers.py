@@ -56,3 +56,50 @@ def layout_job(hf_dir, parallel_kwargs, tokens_BS, export_dir=None):
     if export_dir is not None:
         export_hf(gpt, cfg, ctx, export_dir)
     return result
+
+
+def save_random_weights_job(model_kwargs, parallel_kwargs, tokens_BS, path):
+    """Random init (seeded) in one layout, save a dist checkpoint, return its log-probs."""
+    from megatron_gspo.config import ModelConfig, ParallelConfig
+    from megatron_gspo.model import build_model
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.weights import save_weights
+
+    cfg = ModelConfig(**model_kwargs)
+    ctx = init_parallel(ParallelConfig(**parallel_kwargs), cfg, seed=123)
+    gpt = build_model(cfg, ctx)
+    save_weights(gpt, path, cfg)
+    logp, _ = logprob_pass(gpt, ctx, tokens_BS, micro_batches=2 if ctx.pp > 1 else 1,
+                           backward=False)
+    return logp if ctx.tp_rank == 0 else None
+
+
+def load_weights_job(parallel_kwargs, tokens_BS, path):
+    from megatron_gspo.config import ParallelConfig
+    from megatron_gspo.model import build_model
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.weights import load_weights, read_model_config
+
+    cfg = read_model_config(path)
+    ctx = init_parallel(ParallelConfig(**parallel_kwargs), cfg, seed=999)  # different init seed
+    gpt = build_model(cfg, ctx)
+    load_weights(gpt, path)
+    logp, _ = logprob_pass(gpt, ctx, tokens_BS, micro_batches=2 if ctx.pp > 1 else 1,
+                           backward=False)
+    return logp if ctx.tp_rank == 0 else None
+
+
+def malformed_hf_job(hf_dir):
+    from megatron_gspo.config import ParallelConfig
+    from megatron_gspo.hf_qwen3moe import HFCheckpointError, load_hf_weights
+    from megatron_gspo.model import build_model
+    from megatron_gspo.parallel import init_parallel
+
+    cfg = tiny_model_config(hf_dir)
+    ctx = init_parallel(ParallelConfig(), cfg, seed=0)
+    gpt = build_model(cfg, ctx)
+    try:
+        load_hf_weights(gpt, hf_dir, cfg, ctx)
+    except HFCheckpointError as e:
+        return str(e)
+    return None

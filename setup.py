@@ -1,0 +1,31 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-gspo",
+    version="0.1.0",
+    description="GSPO / GRPO reinforcement-learning post-training for Mixture-of-Experts models on "
+                "Megatron-core",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megatron_gspo", "megatron_gspo.*", "moe", "moe.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16.1",
+        "hydra-core>=1.3,<1.4",
+        "omegaconf>=2.3",
+        "tensorboard>=2.14",
+        "numpy>=1.26",
+        "safetensors>=0.4",
+        "tqdm>=4.66",
+        # dist_checkpointing's filesystem writer needs psutil (without it, save() hangs);
+        # neither is a declared megatron-core dependency.
+        "psutil>=5.9",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]>=2.4"],
+        "rollout": ["sglang>=0.5.6"],
+        "test": ["pytest>=8", "transformers>=4.51"],
+    },
+    entry_points={"console_scripts": ["megatron-gspo=megatron_gspo.__main__:main"]},
+)

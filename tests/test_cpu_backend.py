@@ -1,0 +1,87 @@
+"""Each CPU adaptation: megatron-core fails without it, works with it, and none applies on GPU."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_gspo import cpu_backend, te
+from tests.distributed import run_ranks
+from tests.backend_workers import backend_before_and_after, redirect_probe_on_clean_module
+
+
+@pytest.fixture(scope="module")
+def probe():
+    return run_ranks(backend_before_and_after, 1)[0]
+
+
+def test_each_check_fails_without_the_backend(probe):
+    # On megatron-core 0.16.1 without CUDA every one of these raises.
+    assert probe["before"] == {"rope": "AssertionError", "memory_buffer": "AssertionError",
+                               "rng_tracker": "AssertionError", "clip": "AssertionError",
+                               "router_gemm": "NameError"}
+
+
+def test_every_adaptation_is_needed_on_this_megatron(probe):
+    assert all(probe["needed"].values()), [k for k, v in probe["needed"].items() if not v]
+
+
+def test_nothing_is_applied_for_a_cuda_device(probe):
+    assert probe["cuda_activation"] == []
+    assert probe["active_after_cuda"] == []
+
+
+def test_cpu_activation_is_complete_and_idempotent(probe):
+    names = [a.name for a in cpu_backend.ADAPTATIONS]
+    assert probe["cpu_activation"] == names
+    assert probe["cpu_activation_again"] == names
+
+
+def test_checks_pass_with_the_backend(probe):
+    assert probe["after"] == {k: "" for k in probe["before"]}
+    assert probe["forks_advance"]
+    assert probe["rope_freqs"].shape == (6, 1, 1, 8)
+
+
+def test_te_symbol_is_defined_once_and_only_when_missing(probe):
+    assert probe["te_symbol_defined"] is True
+    assert probe["te_symbol_again"] is False
+
+
+def test_clip_matches_formula(probe):
+    # grads of 3.0, total norm 6.0, max norm 1.0: scaled by 1 / (6 + 1e-6)
+    expected = torch.full((4,), 3.0) * (1.0 / (6.0 + 1e-6))
+    assert torch.allclose(probe["clipped_grad"], expected, rtol=0, atol=1e-7)
+
+
+def test_clip_is_noop_under_the_limit():
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 0.1)
+    cpu_backend.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=math.sqrt(0.03))
+    assert torch.equal(p.grad, torch.full((3,), 0.1))
+
+
+def test_redirect_switches_off_for_a_module_without_cuda_use():
+    assert run_ranks(redirect_probe_on_clean_module, 1) == [False]
+
+
+def test_dispatcher_and_init_choices():
+    assert cpu_backend.moe_dispatcher(torch.device("cpu")) == "allgather"
+    assert cpu_backend.moe_dispatcher(torch.device("cuda", 0)) == "alltoall"
+    assert cpu_backend.model_init_on_cpu(torch.device("cpu"))
+    assert not cpu_backend.model_init_on_cpu(torch.device("cuda", 0))
+
+
+def test_torch_proxy_maps_only_cuda_devices():
+    t = cpu_backend.TORCH_ON_CPU.zeros(2, device="cuda")
+    assert t.device.type == "cpu"
+    assert cpu_backend.TORCH_ON_CPU.cuda.current_device() == "cpu"
+    assert cpu_backend.TORCH_ON_CPU.cuda.synchronize() is None
+    assert cpu_backend.TORCH_ON_CPU.float32 is torch.float32
+
+
+def test_te_facade_fallback():
+    assert te.HAVE_TE is False  # transformer_engine cannot be installed on these machines
+    assert not te.use_te_spec("cuda") and not te.use_te_spec("cpu")
+    with pytest.raises(ImportError, match=r"pip install -e \.\[gpu\]"):
+        te.require_te("fp8 training")

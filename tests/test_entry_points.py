@@ -1,0 +1,81 @@
+"""The real entry points as a user runs them: the Hydra app (run, overrides, sweep, torchrun) and
+tools.convert_hf."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args, timeout=300, module="megatron_gspo", launcher=None):
+    cmd = (launcher or [sys.executable, "-m"]) + [module, *args]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_cfg_job_prints_resolved_config_with_overrides():
+    out = run("--cfg", "job", "model=qwen3_30b_a3b", "parallel.ep=8")
+    assert out.returncode == 0, out.stderr
+    assert "num_experts: 128" in out.stdout and "ep: 8" in out.stdout
+    assert "vocab_size: 151936" in out.stdout
+
+
+def test_unknown_override_key_fails_naming_it():
+    out = run("--cfg", "job", "model.num_expertz=4")
+    assert out.returncode != 0
+    assert "num_expertz" in out.stderr
+
+
+def test_invalid_layout_fails_with_one_line(tmp_path):
+    out = run("parallel.tp=2", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 2
+    lines = [l for l in out.stderr.splitlines() if l.startswith("config error")]
+    assert lines == ["config error: parallel.tp*pp*cp=2: does not divide the world size 1; fix: "
+                     "launch a multiple of tp*pp*cp ranks or shrink the layout"]
+
+
+def test_demo_run_trains_and_saves_weights(tmp_path):
+    out = run("demo.steps=3", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step 3/3" in out.stdout
+    assert os.path.isfile(tmp_path / "weights" / "model_config.json")
+    assert os.path.isfile(tmp_path / ".hydra" / "config.yaml")
+
+
+def test_multirun_sweep_gives_each_run_its_own_directory(tmp_path):
+    out = run("-m", "demo.steps=1", "seed=1,2", f"hydra.sweep.dir={tmp_path}", timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for sub in ("0", "1"):
+        assert os.path.isfile(tmp_path / sub / "weights" / "model_config.json")
+
+
+def test_torchrun_expert_parallel(tmp_path):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "-m"]
+    out = run("parallel=ep2", "demo.steps=2", f"hydra.run.dir={tmp_path}", launcher=launcher)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "world=2 tp=1 pp=1 ep=2" in out.stdout
+    assert "step 2/2" in out.stdout
+
+
+def test_convert_hf_round_trip_through_dist_checkpoint(tiny_hf_checkpoint, tmp_path):
+    ckpt, back = tmp_path / "megatron", tmp_path / "hf_back"
+    out = run("import", tiny_hf_checkpoint, str(ckpt), module="tools.convert_hf")
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = run("export", str(ckpt), str(back), module="tools.convert_hf")
+    assert out.returncode == 0, out.stderr[-3000:]
+    original = load_file(os.path.join(tiny_hf_checkpoint, "model.safetensors"))
+    exported = load_file(os.path.join(back, "model.safetensors"))
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+
+
+def test_convert_hf_reports_bad_input(tmp_path):
+    out = run("import", str(tmp_path), str(tmp_path / "out"), module="tools.convert_hf")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == f"convert_hf: {tmp_path}: no config.json"

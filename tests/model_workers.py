@@ -103,3 +103,46 @@ def malformed_hf_job(hf_dir):
     except HFCheckpointError as e:
         return str(e)
     return None
+
+
+def attention_vs_megatron_job():
+    """SDPAttention against megatron's unfused DotProductAttention (GQA, causal) and against
+    per-sequence attention for a packed (THD) batch."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_gspo.config import ModelConfig, ParallelConfig
+    from megatron_gspo.layers import SDPAttention
+    from megatron_gspo.model import transformer_config
+    from megatron_gspo.parallel import init_parallel
+
+    m = ModelConfig(hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16)
+    ctx = init_parallel(ParallelConfig(), m, seed=0)
+    cfg = transformer_config(m, ctx)
+    kw = dict(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+              attention_type="self", pg_collection=ctx.pg)
+    ours, theirs = SDPAttention(**kw), DotProductAttention(**kw)
+    g = torch.Generator().manual_seed(0)
+    s, b = 7, 2
+    q = torch.randn(s, b, 4, 16, generator=g)
+    k = torch.randn(s, b, 2, 16, generator=g)
+    v = torch.randn(s, b, 2, 16, generator=g)
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    dense_diff = (ours(q, k, v, None) - theirs(q, k, v, causal)).abs().max()
+
+    # Packed: sequences of 3 and 4 tokens back to back equal attention over each on its own.
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=4, max_seqlen_kv=4)
+    qp, kp, vp = q[:, 0], k[:, 0], v[:, 0]
+    out_packed = ours(qp, kp, vp, None, packed_seq_params=packed)
+    parts = [ours(qp[a:e, None], kp[a:e, None], vp[a:e, None], None)[:, 0]
+             for a, e in ((0, 3), (3, 7))]
+    packed_diff = (out_packed - torch.cat(parts)).abs().max()
+
+    # Decoding: the last query against the whole key cache equals the last row of full attention.
+    full = ours(q, k, v, None)
+    last = ours(q[-1:], k, v, None)
+    decode_diff = (full[-1:] - last).abs().max()
+    return float(dense_diff), float(packed_diff), float(decode_diff)

@@ -21,20 +21,23 @@ def dist_run():
     return run_ranks
 
 
-@pytest.fixture(scope="session")
-def tiny_hf_checkpoint(tmp_path_factory):
-    """A randomly initialised transformers Qwen3MoeForCausalLM saved as a HF checkpoint (fp32)."""
+def make_hf_checkpoint(path, **overrides):
+    """Save a randomly initialised transformers Qwen3MoeForCausalLM (fp32) as a HF checkpoint."""
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY_HF_CONFIG)).float()
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY_HF_CONFIG, **overrides})).float()
     with torch.no_grad():  # non-trivial norm weights so that a swapped norm would show
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
-    path = str(tmp_path_factory.mktemp("hf_tiny"))
     model.save_pretrained(path)
     with open(os.path.join(path, "config.json")) as f:
         assert json.load(f)["model_type"] == "qwen3_moe"
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory):
+    return make_hf_checkpoint(str(tmp_path_factory.mktemp("hf_tiny")))

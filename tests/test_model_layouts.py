@@ -40,14 +40,18 @@ def layout_results(tiny_hf_checkpoint, tokens, tmp_path_factory):
     return results
 
 
-@pytest.fixture(scope="module")
-def hf_logp(tiny_hf_checkpoint, tokens):
+def transformers_logp(hf_dir, tokens):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_hf_checkpoint, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(tokens[:, :-1]).logits.double()
     return torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+
+
+@pytest.fixture(scope="module")
+def hf_logp(tiny_hf_checkpoint, tokens):
+    return transformers_logp(tiny_hf_checkpoint, tokens)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -84,3 +88,15 @@ def test_hf_round_trip_is_bitwise(layout_results, tiny_hf_checkpoint, name):
     for key, tensor in original.items():
         assert exported[key].dtype == tensor.dtype, key
         assert torch.equal(exported[key], tensor), key
+
+
+def test_unnormalised_topk_and_all_moe_layers_match_transformers(tmp_path, tokens):
+    """norm_topk_prob=False (Megatron's pre-softmax router) with no leading dense layer."""
+    from tests.conftest import make_hf_checkpoint
+    from tests.distributed import run_ranks
+
+    hf_dir = make_hf_checkpoint(str(tmp_path / "hf"), norm_topk_prob=False, mlp_only_layers=[])
+    ours = run_ranks(layout_job, 2, hf_dir, dict(ep=2), tokens)
+    reference = transformers_logp(hf_dir, tokens)
+    for r in ours:
+        assert (r["logp"].double() - reference).abs().max().item() <= 1e-4

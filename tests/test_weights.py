@@ -8,7 +8,8 @@ from tests.model_workers import load_weights_job, save_random_weights_job
 
 MODEL = dict(vocab_size=64, hidden_size=64, num_layers=2, num_attention_heads=4,
              num_query_groups=2, head_dim=16, ffn_hidden_size=96, moe_ffn_hidden_size=32,
-             num_experts=4, top_k=2, first_k_dense=0, init_method_std=0.1)
+             num_experts=4, top_k=2, first_k_dense=0, init_method_std=0.1,
+             shared_expert_ffn_hidden_size=32, norm_topk_prob=False)  # shared expert, pre-softmax
 
 
 @pytest.fixture(scope="module")

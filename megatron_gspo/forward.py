@@ -22,6 +22,10 @@ class MicroBatch:
     tokens_BS: torch.Tensor
     targets_BS: torch.Tensor
     position_ids_BS: Optional[torch.Tensor] = None
+    # For policy losses: behaviour log-probs and response mask of the targets, per-row advantages.
+    old_logp_BS: Optional[torch.Tensor] = None
+    loss_mask_BS: Optional[torch.Tensor] = None
+    advantages_B: Optional[torch.Tensor] = None
 
     def positions(self) -> torch.Tensor:
         if self.position_ids_BS is not None:
@@ -31,6 +35,7 @@ class MicroBatch:
 
 
 # loss_fn(micro_batch, logits_BSV) -> (scalar loss, metrics dict); runs on the last stage only.
+# Each micro-batch's loss is its share of the batch loss: the batch loss is their sum.
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple]
 
 
@@ -41,11 +46,17 @@ def forward_backward(gpt, micro_batches: list[MicroBatch], ctx: ParallelContext,
     ``forward_only``."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    n_mb = len(micro_batches)
+
+    def summed(mb, logits):
+        loss, metrics = loss_fn(mb, logits)
+        return loss * n_mb, metrics  # Megatron divides each micro-batch's loss by their number
+
     def step(data_iter, model):
         mb = next(data_iter)
         logits = model(mb.tokens_BS.to(ctx.device), mb.positions().to(ctx.device),
                        attention_mask=None)
-        return logits, functools.partial(loss_fn, mb)
+        return logits, functools.partial(summed, mb)
 
     b, s = micro_batches[0].tokens_BS.shape
     run = get_forward_backward_func(pp_size=ctx.pp)
@@ -57,3 +68,21 @@ def forward_backward(gpt, micro_batches: list[MicroBatch], ctx: ParallelContext,
     return run(forward_step_func=step, data_iterator=iter(micro_batches), model=[gpt],
                num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b,
                forward_only=forward_only, pg_collection=ctx.pg, **extra)
+
+
+def last_stage_metrics(out: list[dict], ctx: ParallelContext) -> dict:
+    """Average the last stage's per-micro-batch metrics and broadcast them to every pipeline stage
+    (so that every rank can log and agree on them)."""
+    import torch.distributed as dist
+
+    keys = sorted(out[0]) if out else None
+    holder = [keys]
+    if ctx.pp > 1:
+        last = dist.get_global_rank(ctx.pp_group, ctx.pp - 1)
+        dist.broadcast_object_list(holder, src=last, group=ctx.pp_group)
+    keys = holder[0]
+    values = (torch.stack([torch.stack([o[k].detach().double().reshape(()) for k in keys])
+                           for o in out]).mean(0) if out else torch.zeros(len(keys), dtype=torch.float64))
+    if ctx.pp > 1:
+        dist.broadcast(values, src=dist.get_global_rank(ctx.pp_group, ctx.pp - 1), group=ctx.pp_group)
+    return dict(zip(keys, values))

@@ -11,6 +11,7 @@ from megatron_gspo.parallel import ParallelContext
 
 @dataclass
 class OptimConfig:
+    optimizer: str = "adam"  # adam | sgd
     lr: float = 1e-3
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -36,8 +37,8 @@ def wrap_and_build_optimizer(gpt, ctx: ParallelContext, cfg: OptimConfig):
     gpt.config.finalize_model_grads_func = finalize_model_grads
     gpt.config.no_sync_func = ddp.no_sync
     opt_cfg = OptimizerConfig(
-        optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
-        adam_beta2=cfg.adam_beta2, clip_grad=cfg.clip_grad,
+        optimizer=cfg.optimizer, sgd_momentum=0.0, lr=cfg.lr, weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, clip_grad=cfg.clip_grad,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         bf16=gpt.config.bf16, params_dtype=gpt.config.params_dtype)
     optimizer = get_megatron_optimizer(opt_cfg, [ddp], use_gloo_process_groups=False,

@@ -92,14 +92,14 @@ class ParallelConfig:
     pp: int = 1  # pipeline parallel
     ep: int = 1  # expert parallel
     cp: int = 1  # context parallel
-    etp: Optional[int] = None  # expert tensor parallel; None means 1 (experts are not TP-split)
+    etp: Optional[int] = None  # expert tensor parallel; None means tp (megatron-core's default)
     sequence_parallel: bool = False
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
     device: str = "auto"  # auto | cpu | cuda
 
     @property
     def expert_tp(self) -> int:
-        return 1 if self.etp is None else self.etp
+        return self.tp if self.etp is None else self.etp
 
     def validate(self, world_size: int, model: ModelConfig, *, device_type: str = "cpu") -> int:
         """Check the layout against the world size and the model; returns the data parallel size."""
@@ -136,6 +136,13 @@ class ParallelConfig:
                 raise _err("parallel.sequence_parallel", self.sequence_parallel,
                            f"tp={self.tp} with MoE requires sequence parallel",
                            "set parallel.sequence_parallel=true")
+            if self.tp > 1 and self.ep == 1 and self.expert_tp == 1:
+                # megatron-core marks expert weights as ordinary data-parallel weights when ep == 1,
+                # so their gradients (from different sequence-parallel tokens on each TP rank)
+                # would never be summed across the TP group.
+                raise _err("parallel.etp", self.etp, f"etp=1 with tp={self.tp} and ep=1 leaves expert "
+                           "gradients unreduced across the TP group",
+                           "leave etp unset (= tp) or use ep > 1")
             if model.moe_ffn_hidden_size % self.expert_tp:
                 raise _err("parallel.etp", self.etp,
                            f"does not divide model.moe_ffn_hidden_size={model.moe_ffn_hidden_size}",

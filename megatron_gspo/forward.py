@@ -70,19 +70,20 @@ def forward_backward(gpt, micro_batches: list[MicroBatch], ctx: ParallelContext,
                forward_only=forward_only, pg_collection=ctx.pg, **extra)
 
 
-def last_stage_metrics(out: list[dict], ctx: ParallelContext) -> dict:
-    """Average the last stage's per-micro-batch metrics and broadcast them to every pipeline stage
-    (so that every rank can log and agree on them)."""
+def last_stage_metrics(out: list[dict], ctx: ParallelContext,
+                       combine: Callable[[list[dict]], dict]) -> dict:
+    """Combine the last stage's per-micro-batch metrics with ``combine`` and broadcast the result
+    to every pipeline stage, so that all ranks log and agree on the same numbers."""
     import torch.distributed as dist
 
-    keys = sorted(out[0]) if out else None
-    holder = [keys]
-    if ctx.pp > 1:
-        last = dist.get_global_rank(ctx.pp_group, ctx.pp - 1)
-        dist.broadcast_object_list(holder, src=last, group=ctx.pp_group)
+    combined = combine(out) if out else {}
+    if ctx.pp == 1:
+        return combined
+    last = dist.get_global_rank(ctx.pp_group, ctx.pp - 1)
+    holder = [sorted(combined)]
+    dist.broadcast_object_list(holder, src=last, group=ctx.pp_group)
     keys = holder[0]
-    values = (torch.stack([torch.stack([o[k].detach().double().reshape(()) for k in keys])
-                           for o in out]).mean(0) if out else torch.zeros(len(keys), dtype=torch.float64))
-    if ctx.pp > 1:
-        dist.broadcast(values, src=dist.get_global_rank(ctx.pp_group, ctx.pp - 1), group=ctx.pp_group)
+    values = (torch.stack([combined[k].detach().double().reshape(()) for k in keys]) if combined
+              else torch.zeros(len(keys), dtype=torch.float64))
+    dist.broadcast(values, src=last, group=ctx.pp_group)
     return dict(zip(keys, values))

@@ -266,6 +266,29 @@ def sequence_totals(algo: str, shards: list[TokenShard], *, reducer=None, clip_l
     return total
 
 
+# Metrics averaged over sequences (the rest of the averages are over response tokens).
+_SEQUENCE_LEVEL = {"gspo": {"clip_fraction", "ratio_mean"}, "gspo_token": set(), "grpo": set()}
+
+
+def combine_metrics(algo: str, parts: list[dict]) -> dict:
+    """A batch's metrics from its micro-batches': sums for the loss (each micro-batch returns its
+    share) and counts, min / max for the ratio extremes, weighted means for the rest."""
+    out = {}
+    for key in parts[0]:
+        values = torch.stack([p[key] for p in parts])
+        if key in ("loss", "num_seqs", "num_tokens"):
+            out[key] = values.sum()
+        elif key == "ratio_min":
+            out[key] = values.min()
+        elif key == "ratio_max":
+            out[key] = values.max()
+        else:
+            weight = torch.stack([p["num_seqs" if key in _SEQUENCE_LEVEL[algo] else "num_tokens"]
+                                  for p in parts])
+            out[key] = (weight * values).sum() / weight.sum().clamp_min(1e-12)
+    return out
+
+
 def policy_loss(algo: str, logprobs, old_logprobs, advantages, mask, *, clip_low=None,
                 clip_high=None, ref_logprobs=None, entropy=None, **options):
     """Loss for a padded batch: logprobs, old_logprobs, mask [B, T] (mask 1 on response tokens),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -146,3 +147,48 @@ def attention_vs_megatron_job():
     last = ours(q[-1:], k, v, None)
     decode_diff = (full[-1:] - last).abs().max()
     return float(dense_diff), float(packed_diff), float(decode_diff)
+
+
+def gspo_step_job(hf_dir, parallel_kwargs, tokens_BS, delta_BS, adv_B, mask_BS, algo):
+    """One policy-gradient step through the Megatron model: old log-probs from a forward pass
+    (perturbed by ``delta``), the policy loss, SGD; returns loss, grad norm and log-probs after."""
+    from megatron_gspo.config import ParallelConfig
+    from megatron_gspo.forward import MicroBatch, forward_backward, last_stage_metrics
+    from megatron_gspo.hf_qwen3moe import load_hf_weights
+    from megatron_gspo.logprobs import token_logprobs
+    from megatron_gspo.losses import combine_metrics, policy_loss
+    from megatron_gspo.model import build_model
+    from megatron_gspo.optim import OptimConfig, wrap_and_build_optimizer, zero_grads
+    from megatron_gspo.parallel import init_parallel
+
+    cfg = tiny_model_config(hf_dir)
+    ctx = init_parallel(ParallelConfig(**parallel_kwargs), cfg, seed=0)
+    gpt = build_model(cfg, ctx)
+    load_hf_weights(gpt, hf_dir, cfg, ctx)
+    ddp, opt = wrap_and_build_optimizer(gpt, ctx, OptimConfig(optimizer="sgd", lr=0.5,
+                                                              clip_grad=0.0,
+                                                              use_distributed_optimizer=False))
+    n_mb = 2  # the same micro-batches on every layout: MoE aux losses are per micro-batch
+    old, _ = logprob_pass(ddp, ctx, tokens_BS, micro_batches=n_mb, backward=False)
+    if old is not None:
+        old = old + delta_BS
+    valid = float((mask_BS.sum(1) > 0).sum())
+
+    def loss_fn(mb, logits):
+        logp, _ = token_logprobs(logits, mb.targets_BS, group=ctx.tp_group)
+        return policy_loss(algo, logp, mb.old_logp_BS, mb.advantages_B, mb.loss_mask_BS,
+                           normalizer=valid)
+
+    rows = list(range(tokens_BS.shape[0]))
+    mbs = []
+    for part in [rows[i::n_mb] for i in range(n_mb)]:
+        t = tokens_BS[part]
+        mbs.append(MicroBatch(t[:, :-1], t[:, 1:], old_logp_BS=None if old is None else old[part],
+                              loss_mask_BS=mask_BS[part], advantages_B=adv_B[part]))
+    zero_grads(ddp, opt)
+    out = forward_backward(ddp, mbs, ctx, loss_fn)
+    metrics = last_stage_metrics(out, ctx, functools.partial(combine_metrics, algo))
+    _, grad_norm, _ = opt.step()
+    after, _ = logprob_pass(ddp, ctx, tokens_BS, micro_batches=n_mb, backward=False)
+    return dict(metrics={k: float(v) for k, v in metrics.items()}, grad_norm=float(grad_norm),
+                after=after if ctx.tp_rank == 0 else None)

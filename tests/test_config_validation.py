@@ -21,6 +21,8 @@ BAD = [
     (ParallelConfig(ep=4), 2, MOE, "parallel.ep*etp*pp", "multiple"),
     (ParallelConfig(tp=0), 1, MOE, "parallel.tp", ">= 1"),
     (ParallelConfig(backend="mpi"), 1, MOE, "parallel.backend", "gloo"),
+    (ParallelConfig(tp=2, etp=1, sequence_parallel=True), 2, MOE, "parallel.etp", "ep > 1"),
+    (ParallelConfig(tp=2, etp=3, sequence_parallel=True), 6, MOE, "parallel.etp", "dividing"),
 ]
 
 

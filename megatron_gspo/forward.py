@@ -26,6 +26,18 @@ class MicroBatch:
     old_logp_BS: Optional[torch.Tensor] = None
     loss_mask_BS: Optional[torch.Tensor] = None
     advantages_B: Optional[torch.Tensor] = None
+    # Packed sequences (B = 1, THD): cumulative sequence lengths of the row.
+    cu_seqlens: Optional[torch.Tensor] = None
+
+    def packed_seq_params(self):
+        if self.cu_seqlens is None:
+            return None
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
+        cu = self.cu_seqlens.to(torch.int32)
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                               max_seqlen_q=longest, max_seqlen_kv=longest)
 
     def positions(self) -> torch.Tensor:
         if self.position_ids_BS is not None:
@@ -55,7 +67,7 @@ def forward_backward(gpt, micro_batches: list[MicroBatch], ctx: ParallelContext,
     def step(data_iter, model):
         mb = next(data_iter)
         logits = model(mb.tokens_BS.to(ctx.device), mb.positions().to(ctx.device),
-                       attention_mask=None)
+                       attention_mask=None, packed_seq_params=mb.packed_seq_params())
         return logits, functools.partial(summed, mb)
 
     b, s = micro_batches[0].tokens_BS.shape

@@ -152,3 +152,38 @@ def seq_index_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """[N] sequence index of every token of a packed batch from its cumulative lengths."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     return torch.arange(len(lengths), device=cu_seqlens.device).repeat_interleave(lengths)
+
+
+@dataclass
+class PackedTokens:
+    """Sequences packed back to back in one row (THD): inputs predict targets within a sequence."""
+
+    tokens_1N: torch.Tensor
+    targets_1N: torch.Tensor
+    position_ids_1N: torch.Tensor
+    cu_seqlens: torch.Tensor  # int32 [S + 1], including a padding segment when one was needed
+    seq_N: torch.Tensor  # sequence index per token (padding tokens: index S_real)
+    valid_N: torch.Tensor  # False on padding
+
+
+def pack_sequences(sequences: list[torch.Tensor], multiple_of: int = 1, pad_id: int = 0
+                   ) -> PackedTokens:
+    """Pack token sequences (each predicts its own next tokens) into one row, padded with one
+    extra segment to a length divisible by ``multiple_of`` (TP x 2 CP for sequence parallelism)."""
+    inputs = [s[:-1] for s in sequences]
+    targets = [s[1:] for s in sequences]
+    lengths = [len(x) for x in inputs]
+    if min(lengths) < 1:
+        raise ValueError("every packed sequence needs at least two tokens")
+    pad = (-sum(lengths)) % multiple_of
+    valid = torch.ones(sum(lengths), dtype=torch.bool)
+    if pad:
+        inputs.append(torch.full((pad,), pad_id, dtype=inputs[0].dtype))
+        targets.append(torch.full((pad,), pad_id, dtype=targets[0].dtype))
+        lengths.append(pad)
+        valid = torch.cat([valid, torch.zeros(pad, dtype=torch.bool)])
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return PackedTokens(
+        tokens_1N=torch.cat(inputs)[None], targets_1N=torch.cat(targets)[None],
+        position_ids_1N=torch.cat([torch.arange(n) for n in lengths])[None], cu_seqlens=cu,
+        seq_N=seq_index_from_cu_seqlens(cu), valid_N=valid)

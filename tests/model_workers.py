@@ -192,3 +192,43 @@ def gspo_step_job(hf_dir, parallel_kwargs, tokens_BS, delta_BS, adv_B, mask_BS, 
     after, _ = logprob_pass(ddp, ctx, tokens_BS, micro_batches=n_mb, backward=False)
     return dict(metrics={k: float(v) for k, v in metrics.items()}, grad_norm=float(grad_norm),
                 after=after if ctx.tp_rank == 0 else None)
+
+
+def packed_vs_padded_job(hf_dir, parallel_kwargs, sequences):
+    """Log-probs of sequences packed in one THD row vs the same sequences as padded rows."""
+    from megatron_gspo.config import ParallelConfig
+    from megatron_gspo.forward import MicroBatch, forward_backward
+    from megatron_gspo.hf_qwen3moe import load_hf_weights
+    from megatron_gspo.logprobs import token_logprobs
+    from megatron_gspo.model import build_model
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.seqshard import pack_sequences
+
+    cfg = tiny_model_config(hf_dir)
+    ctx = init_parallel(ParallelConfig(**parallel_kwargs), cfg, seed=0)
+    gpt = build_model(cfg, ctx)
+    load_hf_weights(gpt, hf_dir, cfg, ctx)
+    packed = pack_sequences(sequences, multiple_of=ctx.tp)
+
+    def loss_fn(mb, logits):
+        logp, _ = token_logprobs(logits, mb.targets_BS, group=ctx.tp_group)
+        return -logp.mean(), {"logp": logp.detach()}
+
+    mb = MicroBatch(packed.tokens_1N, packed.targets_1N, packed.position_ids_1N,
+                    cu_seqlens=packed.cu_seqlens)
+    out = forward_backward(gpt, [mb], ctx, loss_fn, forward_only=True)
+    packed_logp = out[0]["logp"][0] if out else None
+    # The same sequences as a right-padded batch (causal: padding after a token cannot change it).
+    width = max(len(x) for x in sequences) - 1
+    width += (-width) % ctx.tp
+    rows = torch.zeros(len(sequences), width + 1, dtype=sequences[0].dtype)
+    for i, seq in enumerate(sequences):
+        rows[i, :len(seq)] = seq
+    out = forward_backward(gpt, [MicroBatch(rows[:, :-1], rows[:, 1:])], ctx, loss_fn,
+                           forward_only=True)
+    if out:
+        padded_logp = out[0]["logp"]
+        padded = [padded_logp[i, :len(seq) - 1] for i, seq in enumerate(sequences)]
+    if packed_logp is None:
+        return None
+    return packed_logp[packed.valid_N], torch.cat(padded)

@@ -100,3 +100,18 @@ def test_unnormalised_topk_and_all_moe_layers_match_transformers(tmp_path, token
     reference = transformers_logp(hf_dir, tokens)
     for r in ours:
         assert (r["logp"].double() - reference).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["single", "tp2_sp", "pp2"])
+def test_packed_sequences_match_separate_sequences(tiny_hf_checkpoint, name):
+    from tests.distributed import run_ranks
+    from tests.model_workers import packed_vs_padded_job
+
+    g = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(0, 128, (n,), generator=g) for n in (7, 10, 2, 6)]
+    world, kwargs = LAYOUTS[name]
+    for r in run_ranks(packed_vs_padded_job, world, tiny_hf_checkpoint, kwargs, sequences):
+        if r is not None:
+            packed, separate = r
+            assert packed.shape == separate.shape == (21,)
+            assert (packed - separate).abs().max().item() <= 1e-5

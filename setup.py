@@ -26,6 +26,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]>=2.4"],
         "rollout": ["sglang>=0.5.6"],
         "test": ["pytest>=8", "transformers>=4.51"],
+        "bench": ["trl>=0.20"],
     },
     entry_points={"console_scripts": ["megatron-gspo=megatron_gspo.__main__:main"]},
 )

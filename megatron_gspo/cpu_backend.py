@@ -145,6 +145,37 @@ def _rng_active() -> bool:
     return type(mrandom._CUDA_RNG_STATE_TRACKER).__name__ == "CpuRNGStatesTracker"
 
 
+def _no_cuda_rng_state(*_args, **_kwargs) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _ignore_cuda_rng_state(*_args, **_kwargs) -> None:
+    return None
+
+
+def _checkpoint_rng_needed() -> bool:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    try:
+        mrandom._get_cuda_rng_state()
+    except (RuntimeError, AssertionError):
+        return True
+    return False
+
+
+def _checkpoint_rng_apply() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = _no_cuda_rng_state
+    mrandom._set_cuda_rng_state = _ignore_cuda_rng_state
+
+
+def _checkpoint_rng_active() -> bool:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    return mrandom._get_cuda_rng_state is _no_cuda_rng_state
+
+
 def seed_rng_tracker(seed: int, *, tp_rank: int, ep_rank: int, etp_rank: int) -> None:
     """CPU twin of megatron's ``model_parallel_cuda_manual_seed`` (same per-rank seed offsets)."""
     from megatron.core.tensor_parallel import random as mrandom
@@ -280,6 +311,10 @@ def _redirect(module_name: str, why: str) -> Adaptation:
 ADAPTATIONS: tuple[Adaptation, ...] = (
     Adaptation("rng_tracker", "Megatron's RNG tracker keeps CUDA generator states; a CPU-only torch "
                "raises on every torch.cuda RNG call", _rng_needed, _rng_apply, _rng_active),
+    Adaptation("checkpoint_rng", "activation recomputation saves and restores the CUDA generator "
+               "state; on CPU the CPU generator and the tracker's (CPU) states, which it also saves, "
+               "are the whole RNG state", _checkpoint_rng_needed, _checkpoint_rng_apply,
+               _checkpoint_rng_active),
     _redirect("megatron.core.models.common.embeddings.rotary_pos_embedding",
               "RoPE moves inv_freq to torch.cuda.current_device()"),
     _redirect("megatron.core.utils", "GlobalMemoryBuffer and the local L2-norm kernel allocate on "

@@ -18,6 +18,7 @@ setup(
         "numpy>=1.26",
         "safetensors>=0.4",
         "tqdm>=4.66",
+        "matplotlib>=3.7",  # drift and comparison reports (PNG plots embedded in HTML)
         # dist_checkpointing's filesystem writer needs psutil (without it, save() hangs);
         # neither is a declared megatron-core dependency.
         "psutil>=5.9",

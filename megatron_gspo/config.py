@@ -171,6 +171,8 @@ class DemoConfig:
     seq_length: int = 32
     steps: int = 2
     lr: float = 1e-3
+    updates_per_batch: int = 2  # optimizer steps on each batch (update drift compares their routes)
+    drift: bool = True  # expert-drift instrumentation (TensorBoard, drift.jsonl, drift_report.html)
 
 
 @dataclass

@@ -1,0 +1,163 @@
+"""Expert-drift instrumentation: metrics from routes that passes record anyway, reduced over the
+ranks, written to TensorBoard and to ``drift.jsonl`` in the run directory (one row per step and
+layer), which ``tools.drift_report`` reads.
+
+TensorBoard tags (``KIND`` is ``update`` or ``rollout_train``):
+- ``moe/drift/KIND/layer_XX``: fraction of tokens whose top-k set changed in MoE layer XX
+- ``moe/drift/KIND/mean``: the same over all (token, layer) pairs
+- ``moe/drift/KIND/jaccard_mean``: mean Jaccard overlap of the top-k sets
+- ``moe/drift/KIND/tokens_changed``: fraction of tokens with any layer changed
+- ``moe/load/entropy/layer_XX``, ``moe/load/imbalance/layer_XX`` (max / mean expert share),
+  ``moe/load/max_share``: expert load of the step's routes
+
+Legend: ``N`` tokens on this rank, ``K`` top-k, ``L`` MoE layers of the model, ``E`` experts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from moe.drift import drift_metrics, expert_counts, layer_drift_sums, load_metrics
+
+DRIFT_LOG = "drift.jsonl"
+KINDS = ("update", "rollout_train")
+
+
+def _sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def drift_between(a: Sequence[Sequence[torch.Tensor]], b: Sequence[Sequence[torch.Tensor]], *,
+                  local_layers: Sequence[int], num_moe_layers: int, pp_group=None) -> dict:
+    """Drift between two passes over the same tokens (per forward, per local layer, [N, K]),
+    complete over all ranks: layer sums over every rank (each holds distinct tokens or distinct
+    layers), the any-layer flag of each token over the pipeline stages."""
+    per_layer = torch.zeros(num_moe_layers, 3, dtype=torch.float64)
+    changed, total = 0.0, 0.0
+    for fa, fb in zip(a, b):
+        sums, _ = layer_drift_sums(list(fa), list(fb))
+        per_layer[list(local_layers)] += sums
+        k = fa[0].shape[1]
+        flags = torch.zeros(fa[0].shape[0], dtype=torch.float64)
+        for x, y in zip(fa, fb):
+            flags = torch.maximum(flags, ((x[:, :, None] == y[:, None, :]).any(-1).sum(-1) != k)
+                                  .double())
+        if pp_group is not None and dist.get_world_size(pp_group) > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pp_group)
+        changed += float(flags.sum())
+        total += flags.numel()
+    pp = dist.get_world_size(pp_group) if pp_group is not None and dist.is_initialized() else 1
+    tokens = _sum(torch.tensor([total, changed], dtype=torch.float64)) / pp
+    return drift_metrics(_sum(per_layer), tokens)
+
+
+def expert_load(routes: Sequence[Sequence[torch.Tensor]], *, local_layers: Sequence[int],
+                num_moe_layers: int, num_experts: int) -> dict:
+    """Expert load of one pass (per forward, per local layer, [N, K]) over all ranks."""
+    counts = torch.zeros(num_moe_layers, num_experts, dtype=torch.float64)
+    for forward in routes:
+        for layer, r in zip(local_layers, forward):
+            counts[layer] += expert_counts(r, num_experts)
+    return load_metrics(_sum(counts))
+
+
+class DriftLog:
+    """Writes drift and load metrics to TensorBoard and ``RUN_DIR/drift.jsonl`` (rank 0 only)."""
+
+    def __init__(self, run_dir: str, writer=None, enabled: bool = True):
+        self.path = os.path.join(run_dir, DRIFT_LOG)
+        self.writer = writer
+        self.enabled = enabled
+        if enabled:
+            os.makedirs(run_dir, exist_ok=True)
+
+    def _rows(self, rows: list) -> None:
+        with open(self.path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+    def drift(self, step: int, kind: str, metrics: dict) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"drift kind {kind!r}; valid: {', '.join(KINDS)}")
+        if not self.enabled:
+            return
+        layers = metrics["layers"].tolist()
+        jacc = metrics["layers_jaccard"].tolist()
+        rows = [{"step": step, "kind": kind, "layer": i, "changed_fraction": c, "jaccard": j}
+                for i, (c, j) in enumerate(zip(layers, jacc))]
+        rows.append({"step": step, "kind": kind, "layer": "mean",
+                     "changed_fraction": float(metrics["changed_fraction"]),
+                     "jaccard": float(metrics["jaccard"]),
+                     "tokens_changed": float(metrics["tokens_changed"])})
+        self._rows(rows)
+        if self.writer is not None:
+            for i, c in enumerate(layers):
+                self.writer.add_scalar(f"moe/drift/{kind}/layer_{i:02d}", c, step)
+            self.writer.add_scalar(f"moe/drift/{kind}/mean", float(metrics["changed_fraction"]), step)
+            self.writer.add_scalar(f"moe/drift/{kind}/jaccard_mean", float(metrics["jaccard"]), step)
+            self.writer.add_scalar(f"moe/drift/{kind}/tokens_changed",
+                                   float(metrics["tokens_changed"]), step)
+
+    def load(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        share = metrics["share"]
+        rows = [{"step": step, "kind": "load", "layer": i, "share": share[i].tolist(),
+                 "entropy": float(metrics["entropy"][i]), "imbalance": float(metrics["imbalance"][i])}
+                for i in range(share.shape[0])]
+        self._rows(rows)
+        if self.writer is not None:
+            for i in range(share.shape[0]):
+                self.writer.add_scalar(f"moe/load/entropy/layer_{i:02d}", float(metrics["entropy"][i]),
+                                       step)
+                self.writer.add_scalar(f"moe/load/imbalance/layer_{i:02d}",
+                                       float(metrics["imbalance"][i]), step)
+            self.writer.add_scalar("moe/load/max_share", float(share.max()), step)
+
+
+def read_drift_log(run_dir: str) -> list[dict]:
+    """Rows of ``RUN_DIR/drift.jsonl``; a missing or corrupt log raises naming file and line."""
+    path = os.path.join(run_dir, DRIFT_LOG)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{run_dir}: no {DRIFT_LOG} (was drift instrumentation on?)")
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict) or "step" not in row or "kind" not in row:
+                    raise ValueError("missing step or kind")
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: corrupt drift log row ({e})") from None
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: empty drift log")
+    return rows
+
+
+def local_layers_of(model_cfg, ctx) -> list[int]:
+    from moe.records import local_moe_layers
+
+    return local_moe_layers(model_cfg.moe_layer_pattern, ctx.pp, ctx.pp_rank)
+
+
+def num_moe_layers(model_cfg) -> int:
+    return int(sum(model_cfg.moe_layer_pattern))
+
+
+def maybe_writer(run_dir: str, rank: int) -> Optional[object]:
+    """TensorBoard writer on rank 0."""
+    if rank != 0:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=os.path.join(run_dir, "tb"))

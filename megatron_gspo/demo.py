@@ -62,8 +62,8 @@ def run(job: JobConfig) -> dict:
             ok, grad_norm, _ = optimizer.step()
             if drift:
                 routes.append(recorded.forwards)
-        dt = time.perf_counter() - ts
         note = drift.log(step + 1, routes) if drift else ""
+        dt = time.perf_counter() - ts
         if out:
             nll = float(torch.stack([o["nll"] for o in out]).mean())
             ent = float(torch.stack([o["entropy"] for o in out]).mean())

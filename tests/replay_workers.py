@@ -28,19 +28,6 @@ def _sets_equal(a, b):
     return bool((a.sort(-1).values == b.sort(-1).values).all())
 
 
-def _perturb_routers(gpt, ctx, cfg, scale=3.0):
-    """A large change of every router, the same on every rank holding that layer."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    per_stage = cfg.num_layers // ctx.pp
-    with torch.no_grad():
-        for name, module in gpt.named_modules():
-            if isinstance(module, TopKRouter):
-                layer = ctx.pp_rank * per_stage + int(name.split("layers.")[1].split(".")[0])
-                g = torch.Generator().manual_seed(1000 + layer)
-                module.weight.add_(scale * torch.randn(module.weight.shape, generator=g))
-
-
 def replay_job(parallel_kwargs, tokens_BS, engine_routes_BSLK, recompute, packed_lengths):
     from megatron_gspo.config import ModelConfig, ParallelConfig
     from megatron_gspo.forward import MicroBatch, forward_backward
@@ -79,15 +66,21 @@ def replay_job(parallel_kwargs, tokens_BS, engine_routes_BSLK, recompute, packed
         logp, _ = token_logprobs(logits, m.targets_BS, group=ctx.tp_group)
         return -logp.mean(), {"logp": logp.detach()}
 
+    from megatron_gspo.optim import OptimConfig, wrap_and_build_optimizer, zero_grads
+
+    ddp, optimizer = wrap_and_build_optimizer(gpt, ctx, OptimConfig(lr=0.05, clip_grad=0.0))
+
     def run(backward):
-        out = forward_backward(gpt, [mb], ctx, loss_fn, forward_only=not backward)
+        out = forward_backward(ddp, [mb], ctx, loss_fn, forward_only=not backward)
         return out[0]["logp"] if out else None
 
-    # R2: record the old-policy pass, change the routers a lot, replay.
+    # R2: record the old-policy pass, take a large optimizer step, replay.
     with rr.record() as recorded:
-        run(backward=False)
+        zero_grads(ddp, optimizer)
+        run(backward=True)
     old_routes = recorded.forwards[0]
-    _perturb_routers(gpt, ctx, cfg)
+    optimizer.step()
+    zero_grads(ddp, optimizer)
     with rr.record() as after:
         run(backward=False)
     drift_off = [float(topk_agreement(a, b)["changed_fraction"])

@@ -95,8 +95,8 @@ def build_report(runs: dict) -> tuple[str, list]:
             fig.colorbar(im, ax=ax, label="token share")
             images.append((f"{name}: expert load at step {last}", _png(fig)))
     table = "".join(
-        f"<tr><td>{html.escape(s['run'])}</td><td>{s['steps']}</td><td>{s['update_drift']:.4f}</td>"
-        f"<td>{s['rollout_train']:.4f}</td><td>{s['max_expert_share']:.3f}</td></tr>"
+        f"<tr><td>{html.escape(s['run'])}</td><td>{s['steps']}</td><td>{_fmt(s['update_drift'])}</td>"
+        f"<td>{_fmt(s['rollout_train'])}</td><td>{_fmt(s['max_expert_share'])}</td></tr>"
         for s in summaries)
     body = "".join(f"<h2>{html.escape(t)}</h2><img alt='{html.escape(t)}' "
                    f"src='data:image/png;base64,{b64}'/>" for t, b64 in images)
@@ -124,6 +124,10 @@ def write_report(run_dirs: list, output: str) -> list:
     return summaries
 
 
+def _fmt(x: float) -> str:
+    return "n/a" if x != x else f"{x:.4f}"
+
+
 def summary_line(s: dict) -> str:
-    return (f"{s['run']}: mean update drift {s['update_drift']:.4f}, mean rollout/train mismatch "
-            f"{s['rollout_train']:.4f}, max expert share {s['max_expert_share']:.3f}")
+    return (f"{s['run']}: mean update drift {_fmt(s['update_drift'])}, mean rollout/train mismatch "
+            f"{_fmt(s['rollout_train'])}, max expert share {_fmt(s['max_expert_share'])}")

@@ -45,7 +45,10 @@ def replay_job(parallel_kwargs, tokens_BS, engine_routes_BSLK, recompute, packed
     extra = dict(recompute_granularity="full", recompute_method="uniform",
                  recompute_num_layers=1) if recompute else {}
     gpt = build_model(cfg, ctx, moe_enable_routing_replay=True, **extra)
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
     rr = RoutingReplay(gpt)
+    left_in_global_list = len(RouterReplay.global_router_replay_instances)
     layers = local_moe_layers(cfg.moe_layer_pattern, ctx.pp, ctx.pp_rank)
 
     if packed_lengths:
@@ -134,4 +137,5 @@ def replay_job(parallel_kwargs, tokens_BS, engine_routes_BSLK, recompute, packed
             errors[name] = str(e)
     return dict(drift_off=drift_off, replay_exact=replay_exact, forced_diff=forced_diff,
                 r3_exact=r3_exact, recompute_exact=recompute_exact, used_after=len(used), num_routers=n,
-                errors=errors, layers=layers, rank=ctx.rank)
+                errors=errors, layers=layers, rank=ctx.rank,
+                left_in_global_list=left_in_global_list)

@@ -169,3 +169,28 @@ def test_drift_reduction_over_ranks_equals_one_rank(split):
         for key in ("layers", "changed_fraction", "jaccard", "tokens_changed"):
             assert torch.allclose(drift[key], ref[key]), key
         assert torch.allclose(load["share"], ref_load["share"])
+
+
+def test_rollout_train_mismatch_is_logged_and_reported(tmp_path):
+    from moe.instrument import DriftLog, drift_between, expert_load, read_drift_log
+    from moe.report import build_report, summarize
+
+    g = torch.Generator().manual_seed(4)
+    engine = [torch.rand(12, 8, generator=g).argsort(-1)[:, :2] for _ in range(2)]
+    trainer = [e.clone() for e in engine]
+    trainer[1][:3] = (trainer[1][:3] + 1) % 8  # 3 of 12 tokens routed differently in layer 1
+    log = DriftLog(str(tmp_path))
+    for step in (1, 2):
+        log.drift(step, "rollout_train", drift_between([engine], [trainer], local_layers=[0, 1],
+                                                       num_moe_layers=2))
+        log.load(step, expert_load([trainer], local_layers=[0, 1], num_moe_layers=2,
+                                   num_experts=8))
+    rows = read_drift_log(str(tmp_path))
+    mean = [r for r in rows if r["kind"] == "rollout_train" and r["layer"] == "mean"]
+    assert mean[0]["changed_fraction"] == pytest.approx(3 / 24)
+    assert mean[0]["tokens_changed"] == pytest.approx(3 / 12)
+    assert summarize("r", rows)["rollout_train"] == pytest.approx(3 / 24)
+    page, _ = build_report({"r": rows})
+    assert "<td>0.1250</td>" in page  # the mismatch column of the summary table
+    with pytest.raises(ValueError, match="drift kind"):
+        log.drift(3, "sideways", {})

@@ -70,6 +70,10 @@ def test_bad_records_fail_clearly(results, name):
     assert "never consumed" in errors["unconsumed"]
 
 
+def test_megatron_class_level_list_is_cleared_of_the_model(results):
+    assert all(r["left_in_global_list"] == 0 for rs in results.values() for r in rs)
+
+
 def test_replay_needs_the_megatron_switch():
     from moe.replay import RoutingReplay
 

@@ -1,0 +1,1 @@
+"""Rollout: engines that generate samples (token ids, log-probs, routed experts) for the trainer."""

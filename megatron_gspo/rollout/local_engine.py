@@ -1,0 +1,158 @@
+"""In-process generation with the Megatron model itself: batched, with a static KV cache.
+
+Prompts are left-padded to a common length; a key mask hides the padding in the prefill and in
+every decoding step (RoPE is relative, so the shift of padded rows does not change attention).
+Each step feeds one token per row and reads only the last position's logits. Routed experts are
+recorded with megatron's RouterReplay (RECORD) in every forward, when a ``RoutingReplay`` is given.
+
+Legend: ``B`` rows (prompts x samples), ``P`` padded prompt length, ``S`` P + max new tokens,
+``V`` vocab, ``K`` top-k, ``L`` MoE layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_gspo.parallel import ParallelContext
+from megatron_gspo.rollout.types import Sample, SamplingParams
+
+
+def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator=None):
+    """(token [B], log-prob [B]) from last-position logits: greedy at temperature 0, else sampled
+    from softmax(logits / T) restricted to top-k / top-p. The log-prob is of the untruncated
+    tempered distribution (T = 1 when greedy), which is what the trainer recomputes."""
+    logits = logits_BV.float()
+    if params.temperature == 0:
+        token = logits.argmax(-1)
+        logq = torch.log_softmax(logits, -1)
+        return token, logq.gather(-1, token[:, None])[:, 0]
+    logq = torch.log_softmax(logits / params.temperature, -1)
+    filtered = logq.clone()
+    if params.top_k > 0 and params.top_k < filtered.shape[-1]:
+        kth = filtered.topk(params.top_k, -1).values[:, -1:]
+        filtered[filtered < kth] = -float("inf")
+    if params.top_p < 1.0:
+        sorted_lq, order = filtered.sort(-1, descending=True)
+        cum = sorted_lq.exp().cumsum(-1)
+        drop = cum - sorted_lq.exp() > params.top_p  # keep the smallest prefix reaching top_p
+        sorted_lq[drop] = -float("inf")
+        filtered = torch.full_like(filtered, -float("inf")).scatter(-1, order, sorted_lq)
+    token = torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator)[:, 0]
+    return token, logq.gather(-1, token[:, None])[:, 0]
+
+
+class LocalEngine:
+    """Generates with ``gpt`` in this process; weight updates are the trainer's own, in place."""
+
+    def __init__(self, gpt, ctx: ParallelContext, *, replay=None, pad_id: int = 0):
+        if ctx.pp > 1 or ctx.tp > 1:
+            raise NotImplementedError("the local engine runs on layouts without tensor or "
+                                      "pipeline parallelism (use data/expert parallel ranks)")
+        self.gpt, self.ctx, self.replay, self.pad_id = gpt, ctx, replay, pad_id
+
+    def health(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        return None
+
+    def update_weights(self, source=None) -> None:
+        """The engine shares the trainer's parameters: nothing to copy. A state dict, if given,
+        is loaded in place."""
+        if source is not None:
+            self.gpt.load_state_dict(source, strict=True)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int,
+                 params: SamplingParams) -> list[Sample]:
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        params.validate()
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(samples_per_prompt)]
+        b = len(rows)
+        p_len = max(len(p) for _, p in rows)
+        s_len = p_len + params.max_new_tokens
+        device = self.ctx.device
+        tokens_BP = torch.full((b, p_len), self.pad_id, dtype=torch.long)
+        valid_BS = torch.zeros(b, s_len, dtype=torch.bool)
+        for r, (_, p) in enumerate(rows):
+            tokens_BP[r, p_len - len(p):] = torch.tensor(p)
+            valid_BS[r, p_len - len(p):] = True
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=device).manual_seed(params.seed)
+
+        icx = StaticInferenceContext(max_batch_size=b, max_sequence_length=s_len)
+        was_training = self.gpt.training
+        self.gpt.eval()
+        recording = self.replay.record() if self.replay is not None else contextlib.nullcontext()
+        out_tokens, out_logp = [], []
+        finished = torch.zeros(b, dtype=torch.bool)
+        lengths = torch.zeros(b, dtype=torch.long)  # response tokens per row
+        stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long)
+        try:
+            with recording as recorded:
+                causal = torch.ones(p_len, p_len, dtype=torch.bool).tril()
+                attend = causal[None] & valid_BS[:, None, :p_len]
+                logits = self.gpt(tokens_BP.to(device), torch.arange(p_len).expand(b, p_len)
+                                  .to(device), attention_mask=(~attend)[:, None].to(device),
+                                  inference_context=icx, runtime_gather_output=True)
+                icx.sequence_len_offset += p_len
+                for step in range(params.max_new_tokens):
+                    token, logp = sample_next(logits[:, -1], params, generator)
+                    token, logp = token.cpu(), logp.cpu()
+                    token = torch.where(finished, self.pad_id, token)
+                    out_tokens.append(token)
+                    out_logp.append(logp)
+                    lengths += (~finished).long()
+                    if len(stop):
+                        finished |= torch.isin(token, stop)
+                    if bool(finished.all()) or step == params.max_new_tokens - 1:
+                        break
+                    offset = icx.sequence_len_offset
+                    icx.enable_decode_mode()
+                    mask = ~valid_BS[:, None, None, :offset + 1]
+                    logits = self.gpt(token[:, None].to(device),
+                                      torch.full((b, 1), offset).to(device),
+                                      attention_mask=mask.to(device), inference_context=icx,
+                                      runtime_gather_output=True)
+                    icx.sequence_len_offset += 1
+                    valid_BS[:, offset] = True
+        finally:
+            if was_training:
+                self.gpt.train()
+        tokens_BR = torch.stack(out_tokens, 1)
+        logp_BR = torch.stack(out_logp, 1)
+        routes = self._routes(recorded.forwards, b, p_len) if self.replay is not None else None
+        samples = []
+        for r, (i, prompt) in enumerate(rows):
+            n = int(lengths[r])
+            response = tokens_BR[r, :n].tolist()
+            reason = "stop" if n and len(stop) and response[-1] in stop.tolist() else "length"
+            sample_routes = None
+            if routes is not None:  # prompt positions, then every response token fed back
+                prompt_part = routes[0][r, p_len - len(prompt):]
+                fed = [routes[1 + t][r] for t in range(max(0, n - 1))]
+                sample_routes = torch.cat([prompt_part, *[f[None] for f in fed]])
+            samples.append(Sample(prompt_ids=prompt, response_ids=response,
+                                  logprobs_R=logp_BR[r, :n].clone(), finish_reason=reason,
+                                  routes_TLK=sample_routes, prompt_index=i))
+        return samples
+
+    @staticmethod
+    def _routes(forwards: list, b: int, p_len: int) -> list:
+        """Recorded routes per forward as [B, positions, L, K]: the prefill (Megatron's [s, b]
+        order) and one position per decoding step."""
+        out = []
+        for i, per_layer in enumerate(forwards):
+            stacked = torch.stack(per_layer, 1)  # [N, L, K]
+            if i == 0:
+                out.append(stacked.reshape(p_len, b, *stacked.shape[1:]).transpose(0, 1))
+            else:
+                out.append(stacked.reshape(b, *stacked.shape[1:]))
+        return out

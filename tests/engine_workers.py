@@ -1,0 +1,111 @@
+"""Per-rank functions of the local-engine tests."""
+
+from __future__ import annotations
+
+import torch
+
+ENGINE_MODEL = dict(vocab_size=128, hidden_size=64, num_layers=3, num_attention_heads=4,
+                    num_query_groups=2, head_dim=16, ffn_hidden_size=96, moe_ffn_hidden_size=32,
+                    num_experts=4, top_k=2, first_k_dense=0, init_method_std=0.1)
+
+
+def _setup(parallel_kwargs):
+    from megatron_gspo.config import ModelConfig, ParallelConfig
+    from megatron_gspo.model import build_model
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.rollout.local_engine import LocalEngine
+    from moe.replay import RoutingReplay
+
+    cfg = ModelConfig(**ENGINE_MODEL)
+    ctx = init_parallel(ParallelConfig(**parallel_kwargs), cfg, seed=11)
+    gpt = build_model(cfg, ctx, moe_enable_routing_replay=True)
+    replay = RoutingReplay(gpt)
+    return cfg, ctx, gpt, replay, LocalEngine(gpt, ctx, replay=replay)
+
+
+def _trainer_view(gpt, ctx, replay, sample, temperature):
+    """The trainer's recomputation: prompt + response (no padding), RECORD routes."""
+    from megatron_gspo.forward import MicroBatch, forward_backward
+    from megatron_gspo.logprobs import token_logprobs
+
+    seq = torch.tensor(sample.prompt_ids + sample.response_ids)[None]
+
+    def loss_fn(mb, logits):
+        logp, _ = token_logprobs(logits, mb.targets_BS, group=ctx.tp_group,
+                                 temperature=temperature)
+        return -logp.mean(), {"logp": logp.detach()}
+
+    with replay.record() as rec:
+        out = forward_backward(gpt, [MicroBatch(seq[:, :-1], seq[:, 1:])], ctx, loss_fn,
+                               forward_only=True)
+    n_prompt = len(sample.prompt_ids)
+    logp = out[0]["logp"][0, n_prompt - 1:]
+    routes = torch.stack(rec.forwards[0], 1)  # [T, L, K] ([s, b] order with b = 1)
+    return logp, routes
+
+
+def engine_vs_trainer_job(parallel_kwargs, prompts, params_kwargs):
+    from megatron_gspo.rollout.types import SamplingParams
+
+    cfg, ctx, gpt, replay, engine = _setup(parallel_kwargs)
+    params = SamplingParams(**params_kwargs)
+    samples = engine.generate(prompts, 2, params)
+    worst_logp, routes_equal, shapes = 0.0, True, []
+    temperature = params.temperature or 1.0
+    for s in samples:
+        logp, routes = _trainer_view(gpt, ctx, replay, s, temperature)
+        worst_logp = max(worst_logp, float((logp - s.logprobs_R).abs().max()))
+        same = s.routes_TLK.shape == routes.shape and bool(
+            (s.routes_TLK.sort(-1).values == routes.sort(-1).values).all())
+        routes_equal &= same
+        shapes.append(tuple(s.routes_TLK.shape))
+    return dict(worst_logp=worst_logp, routes_equal=routes_equal, shapes=shapes,
+                lengths=[len(s.response_ids) for s in samples],
+                reasons=[s.finish_reason for s in samples],
+                all_logp_nonpositive=all(bool((s.logprobs_R <= 0).all()) for s in samples))
+
+
+def cache_vs_recompute_job(prompts, max_new):
+    """Greedy generation with the KV cache vs recomputing the whole prefix at every token."""
+    from megatron_gspo.rollout.types import SamplingParams
+
+    cfg, ctx, gpt, replay, engine = _setup({})
+    cached = engine.generate(prompts, 1, SamplingParams(max_new_tokens=max_new, temperature=0))
+    gpt.eval()
+    recomputed = []
+    with torch.no_grad():
+        for p in prompts:
+            seq = list(p)
+            for _ in range(max_new):
+                x = torch.tensor(seq)[None]
+                logits = gpt(x, torch.arange(len(seq))[None], attention_mask=None)
+                seq.append(int(logits[0, -1].argmax()))
+            recomputed.append(seq[len(p):])
+    return [s.response_ids for s in cached], recomputed
+
+
+def big_batch_job(n_prompts, max_new):
+    from megatron_gspo.rollout.types import SamplingParams
+
+    cfg, ctx, gpt, replay, engine = _setup({})
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 128, (int(torch.randint(2, 12, (1,), generator=g)),),
+                             generator=g).tolist() for _ in range(n_prompts)]
+    samples = engine.generate(prompts, 1, SamplingParams(max_new_tokens=max_new, temperature=1.0,
+                                                         top_p=0.9, top_k=20, seed=3))
+    again = engine.generate(prompts, 1, SamplingParams(max_new_tokens=max_new, temperature=1.0,
+                                                       top_p=0.9, top_k=20, seed=3))
+    return ([s.response_ids for s in samples], [s.response_ids for s in again],
+            [s.prompt_index for s in samples])
+
+
+def stop_job(prompts):
+    from megatron_gspo.rollout.types import SamplingParams
+
+    cfg, ctx, gpt, replay, engine = _setup({})
+    free = engine.generate(prompts, 1, SamplingParams(max_new_tokens=5, temperature=0))
+    stop_id = free[0].response_ids[2]  # the third greedy token of the first prompt
+    stopped = engine.generate(prompts, 1, SamplingParams(max_new_tokens=5, temperature=0,
+                                                         stop_token_ids=(stop_id,)))
+    return [s.response_ids for s in free], [s.response_ids for s in stopped], \
+        [s.finish_reason for s in stopped], stop_id

@@ -1,0 +1,45 @@
+"""The in-process engine: its log-probs and routes are the trainer's, the KV cache changes nothing."""
+
+import pytest
+
+from tests.distributed import run_ranks
+from tests.engine_workers import (big_batch_job, cache_vs_recompute_job, engine_vs_trainer_job,
+                                  stop_job)
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [1]]
+
+
+@pytest.mark.parametrize("world,layout,params", [
+    (1, {}, dict(max_new_tokens=6, temperature=1.0, seed=0)),
+    (1, {}, dict(max_new_tokens=5, temperature=0.7, top_k=10, top_p=0.9, seed=1)),
+    (1, {}, dict(max_new_tokens=5, temperature=0.0)),
+    (2, dict(ep=2), dict(max_new_tokens=5, temperature=1.0, seed=2)),
+])
+def test_engine_logprobs_and_routes_equal_the_trainers(world, layout, params):
+    for r in run_ranks(engine_vs_trainer_job, world, layout, PROMPTS, params):
+        assert r["worst_logp"] <= 1e-5
+        assert r["routes_equal"]
+        assert r["all_logp_nonpositive"]
+
+
+def test_stop_tokens_end_responses():
+    free, stopped, reasons, stop_id = run_ranks(stop_job, 1, PROMPTS)[0]
+    for f, s, reason in zip(free, stopped, reasons):
+        if stop_id in f:
+            cut = f.index(stop_id) + 1
+            assert s == f[:cut] and reason == "stop"
+        else:
+            assert s == f and reason == "length"
+    assert reasons[0] == "stop" and len(stopped[0]) <= 3
+
+
+def test_kv_cache_generation_equals_recomputation():
+    cached, recomputed = run_ranks(cache_vs_recompute_job, 1, PROMPTS, 8)[0]
+    assert cached == recomputed
+
+
+def test_batch_of_64_prompts_is_seeded_and_ordered():
+    first, again, index = run_ranks(big_batch_job, 1, 64, 6)[0]
+    assert len(first) == 64 and all(len(r) == 6 for r in first)
+    assert first == again
+    assert index == list(range(64))

@@ -20,6 +20,7 @@ setup(
         "tqdm>=4.66",
         "matplotlib>=3.7",  # drift and comparison reports (PNG plots embedded in HTML)
         "math-verify[antlr4_9_3]>=0.7",  # math rewards; antlr 4.9 is what hydra needs too
+        "pyarrow>=14",  # parquet prompt files
         # dist_checkpointing's filesystem writer needs psutil (without it, save() hangs);
         # neither is a declared megatron-core dependency.
         "psutil>=5.9",

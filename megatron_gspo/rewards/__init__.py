@@ -36,7 +36,8 @@ def register_reward(name: str):
 
 
 def get_reward(name: str) -> Callable[[RewardInput], RewardResult]:
-    from megatron_gspo.rewards import code, math  # noqa: F401  (registration)
+    from megatron_gspo.data import synthetic  # noqa: F401  (registration)
+    from megatron_gspo.rewards import code, math  # noqa: F401
 
     if name not in REWARDS:
         raise ValueError(f"unknown reward {name!r}; valid: {', '.join(sorted(REWARDS))}")

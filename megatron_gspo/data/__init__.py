@@ -1,0 +1,1 @@
+"""Prompt data and tokenizers."""

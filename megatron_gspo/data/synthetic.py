@@ -1,0 +1,44 @@
+"""Synthetic verifiable tasks that a tiny model learns on a CPU, generated deterministically from
+a seed, with exact-match rewards.
+
+- ``add``: "a+b=" -> the decimal sum (operands up to ``max_value``)
+- ``reverse``: "rev:xyz=" -> "zyx" (lower-case letters, up to ``max_len``)
+"""
+
+from __future__ import annotations
+
+import random
+import string
+
+from megatron_gspo.data.prompts import PromptRecord
+from megatron_gspo.rewards import RewardInput, RewardResult, register_reward
+
+TASKS = ("add", "reverse")
+
+
+def make_task(name: str, n: int, *, seed: int, max_value: int = 9, max_len: int = 4
+              ) -> list[PromptRecord]:
+    if name not in TASKS:
+        raise ValueError(f"unknown synthetic task {name!r}; valid: {', '.join(TASKS)}")
+    rng = random.Random(f"{name}:{seed}")
+    out = []
+    for i in range(n):
+        if name == "add":
+            a, b = rng.randint(0, max_value), rng.randint(0, max_value)
+            prompt, answer = f"{a}+{b}=", str(a + b)
+        else:
+            word = "".join(rng.choice(string.ascii_lowercase)
+                           for _ in range(rng.randint(1, max_len)))
+            prompt, answer = f"rev:{word}=", word[::-1]
+        out.append(PromptRecord(prompt=prompt, messages=None, answer=answer,
+                                metadata={"task": name}, source=f"{name}:{seed}:{i}"))
+    return out
+
+
+@register_reward("exact_match")
+def exact_match(sample: RewardInput) -> RewardResult:
+    """1 when the response (up to end of text, surrounding spaces ignored) equals the answer."""
+    got = (sample.response or "").strip()
+    ok = got == str(sample.answer).strip()
+    return RewardResult(1.0 if ok else 0.0, {} if ok else {"reason": "wrong answer",
+                                                           "got": got[:50]})

@@ -341,10 +341,31 @@ def _local_params(gpt) -> dict:
             and "rotary_pos_emb" not in k}
 
 
+class TensorSource:
+    """HF-named tensors held in memory (e.g. received from a trainer), read like a checkpoint."""
+
+    def __init__(self, tensors: dict, config: Optional[dict] = None, path: str = "<tensors>"):
+        self.tensors, self.config, self.path = tensors, config or {}, path
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str, shape: Optional[tuple] = None) -> torch.Tensor:
+        if name not in self.tensors:
+            raise HFCheckpointError(f"{self.path}: missing tensor {name!r}")
+        t = self.tensors[name]
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise HFCheckpointError(f"{self.path}: tensor {name!r} has shape {tuple(t.shape)}, "
+                                    f"expected {tuple(shape)}")
+        return t
+
+
 @torch.no_grad()
-def load_hf_weights(gpt, hf_dir: str, m: ModelConfig, ctx: ParallelContext) -> int:
-    """Copy a HF Qwen3-MoE checkpoint into this rank's shard of ``gpt``; returns tensors copied."""
-    ckpt = HFCheckpoint(hf_dir)
+def load_hf_weights(gpt, hf_dir, m: ModelConfig, ctx: ParallelContext) -> int:
+    """Copy a HF Qwen3-MoE checkpoint (a directory, or a ``TensorSource``) into this rank's shard
+    of ``gpt``; returns the number of tensors copied."""
+    ckpt = hf_dir if isinstance(hf_dir, TensorSource) else HFCheckpoint(hf_dir)
+    hf_dir = ckpt.path
     tied = ckpt.config.get("tie_word_embeddings", False) and "lm_head.weight" not in ckpt
     copied = 0
     for name, param in _local_params(gpt).items():

@@ -1,0 +1,154 @@
+"""The SGLang client against a stand-in server on loopback that implements SGLang's endpoints and
+payloads over the local engine: generation with log-probs and routed experts, weight sync from
+disk and over a process group, memory release / resume, and faults (hang, HTTP 500, dropped
+connection, malformed JSON) with bounded retries."""
+
+import os
+import socket
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_gspo.rollout.sglang_engine import (HAVE_SGLANG, RetryPolicy, SGLangClient,
+                                                 SGLangEngine, SGLangError, decode_routes,
+                                                 init_weights_update_group, launch_server)
+from megatron_gspo.rollout.types import SamplingParams
+from tests.sglang_standin import start
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13]]
+GREEDY = SamplingParams(max_new_tokens=5, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_hf_checkpoint):
+    url, proc = start(tiny_hf_checkpoint)
+    yield url
+    proc.kill()
+    proc.join()
+
+
+@pytest.fixture(scope="module")
+def perturbed_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
+    import shutil
+
+    path = tmp_path_factory.mktemp("hf_perturbed")
+    for f in os.listdir(tiny_hf_checkpoint):
+        shutil.copy(os.path.join(tiny_hf_checkpoint, f), path)
+    tensors = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    tensors = {k: v + 0.2 * torch.randn(v.shape, generator=g) for k, v in tensors.items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path), tensors
+
+
+def engine(url, **kw):
+    # tiny HF model: 4 layers, the first dense; top-2
+    return SGLangEngine([url], num_hidden_layers=4, top_k=2, moe_layers=[1, 2, 3],
+                        retry=RetryPolicy(attempts=3, backoff_s=0.05, timeout_s=1.5), **kw)
+
+
+def test_generate_with_logprobs_and_routes(server):
+    e = engine(server, return_routes=True)
+    assert e.health()
+    samples = e.generate(PROMPTS, 2, GREEDY)
+    assert [s.prompt_index for s in samples] == [0, 0, 1, 1]
+    for s in samples:
+        assert len(s.response_ids) == 5 and s.finish_reason == "length"
+        assert (s.logprobs_R <= 0).all()
+        assert s.routes_TLK.shape == (len(s.prompt_ids) + 4, 3, 2)
+        assert int(s.routes_TLK.min()) >= 0 and int(s.routes_TLK.max()) < 4
+    assert samples[0].response_ids == samples[1].response_ids  # greedy
+
+
+def test_weight_sync_from_disk(server, tiny_hf_checkpoint, perturbed_checkpoint):
+    e = engine(server)
+    before = [s.response_ids for s in e.generate(PROMPTS, 1, GREEDY)]
+    e.update_weights_from_disk(perturbed_checkpoint[0])
+    after = [s.response_ids for s in e.generate(PROMPTS, 1, GREEDY)]
+    assert after != before
+    info = SGLangClient(server).request("GET", "/model_info")
+    assert info["weight_version"] == "1"
+    e.update_weights_from_disk(tiny_hf_checkpoint)
+    assert [s.response_ids for s in e.generate(PROMPTS, 1, GREEDY)] == before
+    with pytest.raises(SGLangError, match="HTTP 400"):
+        e.update_weights_from_disk("/nonexistent/checkpoint")
+    assert [s.response_ids for s in e.generate(PROMPTS, 1, GREEDY)] == before  # old weights kept
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_weight_sync_over_a_process_group(server, tiny_hf_checkpoint, perturbed_checkpoint):
+    e = engine(server)
+    e.update_weights_from_disk(perturbed_checkpoint[0])
+    expected = [s.response_ids for s in e.generate(PROMPTS, 1, GREEDY)]
+    e.update_weights_from_disk(tiny_hf_checkpoint)
+    group = init_weights_update_group(e, master_address="127.0.0.1", master_port=_free_port(),
+                                      engine_gpus=[1], backend="gloo", timeout_s=60)
+    e.update_weights_from_distributed(sorted(perturbed_checkpoint[1].items()), group)
+    assert [s.response_ids for s in e.generate(PROMPTS, 1, GREEDY)] == expected
+    e.update_weights_from_disk(tiny_hf_checkpoint)
+
+
+def test_memory_release_and_resume(server):
+    e = engine(server)
+    e.release_memory()
+    e.resume_memory(["weights"])
+    e.resume_memory(["kv_cache", "cuda_graph"])
+    assert e.health()
+
+
+@pytest.mark.parametrize("mode", ["500", "hang", "drop", "malformed"])
+def test_faults_are_retried_then_reported(server, mode):
+    client = SGLangClient(server)
+    client.post("/_fault", {"mode": mode, "count": 1})
+    e = engine(server)
+    assert len(e.generate(PROMPTS[:1], 1, GREEDY)) == 1  # one failure: the retry succeeds
+    client.post("/_fault", {"mode": mode, "count": 3})
+    with pytest.raises(SGLangError) as info:
+        e.generate(PROMPTS[:1], 1, GREEDY)
+    message = str(info.value)
+    assert "/generate failed after 3 attempts" in message
+    expected = {"500": "HTTP 500", "hang": "timed out", "drop": "",
+                "malformed": "malformed JSON"}[mode]
+    assert expected in message
+    assert len(e.generate(PROMPTS[:1], 1, GREEDY)) == 1  # healthy again
+
+
+def test_bad_requests_are_not_retried(server):
+    client = SGLangClient(server, RetryPolicy(attempts=3, backoff_s=0.05, timeout_s=5))
+    with pytest.raises(SGLangError, match="HTTP 400"):
+        client.post("/generate", {"text": "no ids"})
+
+
+def test_unreachable_server(tmp_path):
+    e = SGLangEngine([f"http://127.0.0.1:{_free_port()}"], num_hidden_layers=4, top_k=2,
+                     moe_layers=[1, 2, 3], retry=RetryPolicy(attempts=2, backoff_s=0.01,
+                                                             timeout_s=0.5))
+    assert not e.health()
+    with pytest.raises(SGLangError, match=r"failed after 2 attempts: .*(Connection refused|Errno)"):
+        e.generate(PROMPTS, 1, GREEDY)
+
+
+def test_routes_decoding_checks_sizes():
+    import base64
+
+    import numpy as np
+
+    blob = base64.b64encode(np.arange(2 * 4 * 2, dtype=np.int32).tobytes()).decode()
+    routes = decode_routes(blob, 2, 4, 2, [1, 3])
+    assert routes.tolist() == [[[2, 3], [6, 7]], [[10, 11], [14, 15]]]
+    with pytest.raises(SGLangError, match="expected 3 x 4 x 2"):
+        decode_routes(blob, 3, 4, 2, [1])
+
+
+@pytest.mark.skipif(HAVE_SGLANG, reason="sglang is installed")
+def test_missing_sglang_says_how_to_install():
+    with pytest.raises(ImportError, match=r"pip install -e \.\[rollout\]"):
+        launch_server("/models/x", port=30000)
+    with pytest.raises(ImportError, match="update_weights_from_tensor needs sglang"):
+        engine("http://127.0.0.1:1").update_weights_from_tensor([])

@@ -194,3 +194,61 @@ def start(hf_dir: str, timeout_s: float = 120.0):
     proc.start()
     port = ready.get(timeout=timeout_s)
     return f"http://127.0.0.1:{port}", proc
+
+
+def _route(ready):
+    """A stand-in sglang-router: /workers registration, /generate relayed round-robin (the stock
+    router's retry of 5xx included)."""
+    import itertools
+    import urllib.error
+    import urllib.request
+
+    workers, counter = [], itertools.count()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _reply(self, code, data: bytes):
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/workers":
+                body = {"workers": [{"id": str(i), "url": u} for i, u in enumerate(workers)]}
+                return self._reply(200, json.dumps(body).encode())
+            self._reply(404, b"{}")
+
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path == "/workers":
+                workers.append(json.loads(body)["url"])
+                return self._reply(202, b'{"status": "queued"}')
+            if self.path == "/generate" and workers:
+                for _ in range(len(workers)):
+                    url = workers[next(counter) % len(workers)]
+                    req = urllib.request.Request(url + "/generate", data=body, method="POST",
+                                                 headers={"Content-Type": "application/json"})
+                    try:
+                        with urllib.request.urlopen(req, timeout=30) as r:
+                            return self._reply(200, r.read())
+                    except urllib.error.HTTPError as e:
+                        if e.code < 500:
+                            return self._reply(e.code, e.read())
+                return self._reply(503, b'{"error": "no healthy worker"}')
+            self._reply(404, b"{}")
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    ready.put(server.server_address[1])
+    server.serve_forever()
+
+
+def start_router(timeout_s: float = 30.0):
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    proc = ctx.Process(target=_route, args=(ready,), daemon=True)
+    proc.start()
+    return f"http://127.0.0.1:{ready.get(timeout=timeout_s)}", proc

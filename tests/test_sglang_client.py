@@ -152,3 +152,21 @@ def test_missing_sglang_says_how_to_install():
         launch_server("/models/x", port=30000)
     with pytest.raises(ImportError, match="update_weights_from_tensor needs sglang"):
         engine("http://127.0.0.1:1").update_weights_from_tensor([])
+
+
+def test_router_registration_and_generation(server):
+    from tests.sglang_standin import start_router
+
+    router_url, proc = start_router()
+    try:
+        e = engine(server, router_url=router_url)
+        workers = SGLangClient(router_url).request("GET", "/workers")["workers"]
+        assert [w["url"] for w in workers] == [server]
+        engine(server, router_url=router_url)  # registering again adds nothing
+        assert len(SGLangClient(router_url).request("GET", "/workers")["workers"]) == 1
+        via_router = [s.response_ids for s in e.generate(PROMPTS, 1, GREEDY)]
+        direct = [s.response_ids for s in engine(server).generate(PROMPTS, 1, GREEDY)]
+        assert via_router == direct
+    finally:
+        proc.kill()
+        proc.join()

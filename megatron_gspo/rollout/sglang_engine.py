@@ -175,16 +175,28 @@ def parse_result(item: dict, prompt: Sequence[int], *, routes_shape=None) -> Sam
 
 
 class SGLangEngine:
-    """``Engine`` over SGLang servers at ``urls`` (requests spread round-robin per prompt group)."""
+    """``Engine`` over SGLang servers at ``urls``: generation requests go to ``router_url`` when
+    given (sglang-router balances them), else round-robin per prompt group; control calls
+    (pause, weight updates, memory) always go to every server, which the router does not relay."""
 
     def __init__(self, urls: Sequence[str], *, num_hidden_layers: int, top_k: int,
                  moe_layers: Sequence[int], return_routes: bool = False,
-                 retry: Optional[RetryPolicy] = None):
+                 retry: Optional[RetryPolicy] = None, router_url: Optional[str] = None):
         if not urls:
             raise ValueError("SGLangEngine needs at least one server URL")
         self.clients = [SGLangClient(u, retry) for u in urls]
+        self.router = SGLangClient(router_url, retry) if router_url else None
         self.routes_shape = (num_hidden_layers, top_k, list(moe_layers)) if return_routes else None
         self.weight_version = 0
+        if self.router is not None:
+            self.register_workers()
+
+    def register_workers(self) -> None:
+        """Add every server to the router (sglang-router 0.3: POST /workers, 202 = queued)."""
+        known = {w.get("url") for w in self.router.request("GET", "/workers").get("workers", [])}
+        for c in self.clients:
+            if c.url not in known:
+                self.router.request("POST", "/workers", {"url": c.url, "worker_type": "regular"})
 
     def health(self) -> bool:
         return all(c.healthy() for c in self.clients)
@@ -198,7 +210,7 @@ class SGLangEngine:
         params.validate()
         out = []
         for i, prompt in enumerate(prompts):  # one batched request per prompt group
-            client = self.clients[i % len(self.clients)]
+            client = self.router or self.clients[i % len(self.clients)]
             reply = client.generate([prompt] * samples_per_prompt, params,
                                     return_routed_experts=self.routes_shape is not None)
             for item in reply:

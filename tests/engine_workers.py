@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-ENGINE_MODEL = dict(vocab_size=128, hidden_size=64, num_layers=3, num_attention_heads=4,
+ENGINE_MODEL = dict(vocab_size=128, hidden_size=64, num_layers=4, num_attention_heads=4,
                     num_query_groups=2, head_dim=16, ffn_hidden_size=96, moe_ffn_hidden_size=32,
                     num_experts=4, top_k=2, first_k_dense=0, init_method_std=0.1)
 
@@ -29,6 +29,9 @@ def _trainer_view(gpt, ctx, replay, sample, temperature):
     from megatron_gspo.logprobs import token_logprobs
 
     seq = torch.tensor(sample.prompt_ids + sample.response_ids)[None]
+    fed = seq.shape[1] - 1
+    pad = (-fed) % ctx.tp  # sequence parallelism splits the positions evenly (causal: pad at the end)
+    seq = torch.cat([seq, torch.zeros(1, pad, dtype=seq.dtype)], 1)
 
     def loss_fn(mb, logits):
         logp, _ = token_logprobs(logits, mb.targets_BS, group=ctx.tp_group,
@@ -38,10 +41,14 @@ def _trainer_view(gpt, ctx, replay, sample, temperature):
     with replay.record() as rec:
         out = forward_backward(gpt, [MicroBatch(seq[:, :-1], seq[:, 1:])], ctx, loss_fn,
                                forward_only=True)
+    if not out:
+        return None, None, None
     n_prompt = len(sample.prompt_ids)
-    logp = out[0]["logp"][0, n_prompt - 1:]
-    routes = torch.stack(rec.forwards[0], 1)  # [T, L, K] ([s, b] order with b = 1)
-    return logp, routes
+    logp = out[0]["logp"][0, n_prompt - 1:fed]
+    routes = torch.stack(rec.forwards[0], 1)  # this TP rank's positions, [s, b] order with b = 1
+    chunk = (fed + pad) // ctx.tp
+    start = ctx.tp_rank * chunk if ctx.sequence_parallel else 0
+    return logp, routes, start
 
 
 def engine_vs_trainer_job(parallel_kwargs, prompts, params_kwargs):
@@ -53,10 +60,17 @@ def engine_vs_trainer_job(parallel_kwargs, prompts, params_kwargs):
     worst_logp, routes_equal, shapes = 0.0, True, []
     temperature = params.temperature or 1.0
     for s in samples:
-        logp, routes = _trainer_view(gpt, ctx, replay, s, temperature)
+        logp, routes, start = _trainer_view(gpt, ctx, replay, s, temperature)
+        if logp is None:  # pipeline stages before the last compute no log-probs
+            continue
         worst_logp = max(worst_logp, float((logp - s.logprobs_R).abs().max()))
-        same = s.routes_TLK.shape == routes.shape and bool(
-            (s.routes_TLK.sort(-1).values == routes.sort(-1).values).all())
+        from moe.records import local_moe_layers
+
+        assert s.routes_TLK.shape[1] == sum(cfg.moe_layer_pattern)  # every stage's layers
+        layers = local_moe_layers(cfg.moe_layer_pattern, ctx.pp, ctx.pp_rank)
+        mine = s.routes_TLK[start:start + routes.shape[0], layers]
+        routes = routes[:mine.shape[0]]  # positions past the sequence are padding
+        same = bool((mine.sort(-1).values == routes.sort(-1).values).all())
         routes_equal &= same
         shapes.append(tuple(s.routes_TLK.shape))
     return dict(worst_logp=worst_logp, routes_equal=routes_equal, shapes=shapes,

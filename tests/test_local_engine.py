@@ -14,6 +14,9 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [1]]
     (1, {}, dict(max_new_tokens=5, temperature=0.7, top_k=10, top_p=0.9, seed=1)),
     (1, {}, dict(max_new_tokens=5, temperature=0.0)),
     (2, dict(ep=2), dict(max_new_tokens=5, temperature=1.0, seed=2)),
+    (2, dict(tp=2, sequence_parallel=True), dict(max_new_tokens=5, temperature=1.0, seed=3)),
+    (4, dict(tp=2, ep=2, sequence_parallel=True), dict(max_new_tokens=4, temperature=0.0)),
+    (2, dict(pp=2), dict(max_new_tokens=5, temperature=1.0, seed=4)),
 ])
 def test_engine_logprobs_and_routes_equal_the_trainers(world, layout, params):
     for r in run_ranks(engine_vs_trainer_job, world, layout, PROMPTS, params):

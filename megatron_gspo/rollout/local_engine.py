@@ -48,9 +48,6 @@ class LocalEngine:
     """Generates with ``gpt`` in this process; weight updates are the trainer's own, in place."""
 
     def __init__(self, gpt, ctx: ParallelContext, *, replay=None, pad_id: int = 0):
-        if ctx.pp > 1 or ctx.tp > 1:
-            raise NotImplementedError("the local engine runs on layouts without tensor or "
-                                      "pipeline parallelism (use data/expert parallel ranks)")
         self.gpt, self.ctx, self.replay, self.pad_id = gpt, ctx, replay, pad_id
 
     def health(self) -> bool:
@@ -64,6 +61,34 @@ class LocalEngine:
         is loaded in place."""
         if source is not None:
             self.gpt.load_state_dict(source, strict=True)
+
+    def _forward(self, tokens_BS, positions_BS, mask, icx):
+        """One forward through every pipeline stage: hidden states go stage to stage, the last
+        stage returns logits (None elsewhere)."""
+        import torch.distributed as dist
+
+        ctx, device = self.ctx, self.ctx.device
+        if ctx.pp > 1 and not ctx.is_first_stage:
+            hidden = torch.empty(tokens_BS.shape[1], tokens_BS.shape[0], self.gpt.config.hidden_size,
+                                 dtype=self.gpt.config.params_dtype, device=device)
+            dist.recv(hidden, group_src=ctx.pp_rank - 1, group=ctx.pp_group)
+            self.gpt.set_input_tensor([hidden])
+        out = self.gpt(tokens_BS.to(device), positions_BS.to(device), attention_mask=mask.to(device),
+                       inference_context=icx, runtime_gather_output=True)
+        if ctx.pp > 1 and not ctx.is_last_stage:
+            dist.send(out.contiguous(), group_dst=ctx.pp_rank + 1, group=ctx.pp_group)
+            return None
+        return out
+
+    def _from_last_stage(self, *tensors):
+        """The last stage's sampled tokens and log-probs, on every stage."""
+        import torch.distributed as dist
+
+        if self.ctx.pp == 1:
+            return tensors
+        for t in tensors:
+            dist.broadcast(t, group_src=self.ctx.pp - 1, group=self.ctx.pp_group)
+        return tensors
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int,
@@ -90,6 +115,14 @@ class LocalEngine:
         icx = StaticInferenceContext(max_batch_size=b, max_sequence_length=s_len)
         was_training = self.gpt.training
         self.gpt.eval()
+        # Decoding feeds one token per row, which sequence parallelism cannot split: as megatron's
+        # own generation controller does, non-MoE layers run without it while generating.
+        sp = self.ctx.sequence_parallel
+        if sp:
+            from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+            from megatron.core.transformer.utils import set_model_to_sequence_parallel
+
+            set_model_to_sequence_parallel(self.gpt, False, exclude_modules=[BaseMoELayer])
         recording = self.replay.record() if self.replay is not None else contextlib.nullcontext()
         out_tokens, out_logp = [], []
         finished = torch.zeros(b, dtype=torch.bool)
@@ -99,13 +132,16 @@ class LocalEngine:
             with recording as recorded:
                 causal = torch.ones(p_len, p_len, dtype=torch.bool).tril()
                 attend = causal[None] & valid_BS[:, None, :p_len]
-                logits = self.gpt(tokens_BP.to(device), torch.arange(p_len).expand(b, p_len)
-                                  .to(device), attention_mask=(~attend)[:, None].to(device),
-                                  inference_context=icx, runtime_gather_output=True)
+                logits = self._forward(tokens_BP, torch.arange(p_len).expand(b, p_len),
+                                       (~attend)[:, None], icx)
                 icx.sequence_len_offset += p_len
                 for step in range(params.max_new_tokens):
-                    token, logp = sample_next(logits[:, -1], params, generator)
-                    token, logp = token.cpu(), logp.cpu()
+                    if logits is not None:
+                        token, logp = sample_next(logits[:, -1], params, generator)
+                        token, logp = token.cpu(), logp.cpu().float()
+                    else:
+                        token, logp = torch.zeros(b, dtype=torch.long), torch.zeros(b)
+                    token, logp = self._from_last_stage(token, logp)
                     token = torch.where(finished, self.pad_id, token)
                     out_tokens.append(token)
                     out_logp.append(logp)
@@ -117,18 +153,23 @@ class LocalEngine:
                     offset = icx.sequence_len_offset
                     icx.enable_decode_mode()
                     mask = ~valid_BS[:, None, None, :offset + 1]
-                    logits = self.gpt(token[:, None].to(device),
-                                      torch.full((b, 1), offset).to(device),
-                                      attention_mask=mask.to(device), inference_context=icx,
-                                      runtime_gather_output=True)
+                    logits = self._forward(token[:, None], torch.full((b, 1), offset), mask, icx)
                     icx.sequence_len_offset += 1
                     valid_BS[:, offset] = True
         finally:
+            if sp:
+                set_model_to_sequence_parallel(self.gpt, True, exclude_modules=[BaseMoELayer])
             if was_training:
                 self.gpt.train()
         tokens_BR = torch.stack(out_tokens, 1)
         logp_BR = torch.stack(out_logp, 1)
         routes = self._routes(recorded.forwards, b, p_len) if self.replay is not None else None
+        if routes is not None and self.ctx.pp > 1:  # every stage holds its own layers' routes
+            import torch.distributed as dist
+
+            stages = [None] * self.ctx.pp
+            dist.all_gather_object(stages, routes, group=self.ctx.pp_group)
+            routes = [torch.cat([stage[i] for stage in stages], dim=-2) for i in range(len(routes))]
         samples = []
         for r, (i, prompt) in enumerate(rows):
             n = int(lengths[r])

@@ -252,3 +252,29 @@ def start_router(timeout_s: float = 30.0):
     proc = ctx.Process(target=_route, args=(ready,), daemon=True)
     proc.start()
     return f"http://127.0.0.1:{ready.get(timeout=timeout_s)}", proc
+
+
+def trainer_sync_job(url, hf_dir, parallel_kwargs, disk_dir, prompts):
+    """A trainer rank: import (perturbed) HF weights into a Megatron layout, push them to the
+    server through the HF mapping, return the server's greedy outputs afterwards."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron_gspo.config import ParallelConfig
+    from megatron_gspo.hf_qwen3moe import load_hf_weights
+    from megatron_gspo.model import build_model
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.rollout.sglang_engine import SGLangEngine
+    from megatron_gspo.rollout.types import SamplingParams
+    from tests.model_workers import tiny_model_config
+
+    cfg = tiny_model_config(hf_dir)
+    ctx = init_parallel(ParallelConfig(**parallel_kwargs), cfg, seed=0)
+    gpt = build_model(cfg, ctx)
+    load_hf_weights(gpt, hf_dir, cfg, ctx)
+    engine = SGLangEngine([url], num_hidden_layers=4, top_k=2, moe_layers=[1, 2, 3])
+    engine.sync_from_model(gpt, cfg, ctx, mode="disk", disk_dir=disk_dir)
+    if ctx.rank != 0:
+        return None
+    return [s.response_ids for s in engine.generate(prompts, 1,
+                                                    SamplingParams(max_new_tokens=5, temperature=0))]

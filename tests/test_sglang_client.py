@@ -170,3 +170,17 @@ def test_router_registration_and_generation(server):
     finally:
         proc.kill()
         proc.join()
+
+
+def test_sync_from_a_megatron_layout(server, tiny_hf_checkpoint, perturbed_checkpoint, tmp_path):
+    from tests.distributed import run_ranks
+    from tests.sglang_standin import trainer_sync_job
+
+    e = engine(server)
+    e.update_weights_from_disk(perturbed_checkpoint[0])
+    expected = [s.response_ids for s in e.generate(PROMPTS, 1, GREEDY)]
+    e.update_weights_from_disk(tiny_hf_checkpoint)
+    outputs = run_ranks(trainer_sync_job, 2, server, perturbed_checkpoint[0], dict(ep=2),
+                        str(tmp_path / "sync"), PROMPTS)
+    assert outputs[0] == expected  # EP=2 trainer -> HF names -> server
+    e.update_weights_from_disk(tiny_hf_checkpoint)

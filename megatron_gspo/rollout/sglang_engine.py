@@ -286,6 +286,31 @@ class SGLangEngine:
                                                    "flush_cache": True,
                                                    "weight_version": str(self.weight_version)})
 
+    def sync_from_model(self, gpt, model_cfg, ctx, *, mode: str = "disk",
+                        disk_dir: Optional[str] = None, group=None) -> None:
+        """Push the trainer's weights: every rank calls; rank 0 gathers the whole model under HF
+        names (``hf_qwen3moe.gather_hf_state``) and sends it ``mode="disk"`` (a checkpoint in
+        ``disk_dir``, which the servers must be able to read) or ``"distributed"`` (broadcast over
+        ``group`` from ``init_weights_update_group``) or ``"tensor"`` (colocated servers)."""
+        import torch.distributed as dist
+
+        from megatron_gspo.hf_qwen3moe import gather_hf_state, hf_config_from_model, write_hf_checkpoint
+
+        if mode not in ("disk", "distributed", "tensor"):
+            raise ValueError(f"weight sync mode {mode!r}; valid: disk, distributed, tensor")
+        state = gather_hf_state(gpt, model_cfg, ctx)
+        if ctx.rank == 0:
+            if mode == "disk":
+                if disk_dir is None:
+                    raise ValueError("weight sync from disk needs disk_dir")
+                write_hf_checkpoint(state, hf_config_from_model(model_cfg), disk_dir)
+                self.update_weights_from_disk(disk_dir)
+            elif mode == "distributed":
+                self.update_weights_from_distributed(sorted(state.items()), group)
+            else:
+                self.update_weights_from_tensor(sorted(state.items()))
+        dist.barrier()
+
     def release_memory(self, tags: Optional[list] = None) -> None:
         self._each("/release_memory_occupation", {"tags": tags})
 

@@ -108,6 +108,13 @@ def hf_config_from_model(m: ModelConfig) -> dict:
 # Reading and writing safetensors checkpoints (sharded or not).
 # ---------------------------------------------------------------------------------------------
 
+def _checked(path: str, name: str, tensor: torch.Tensor, shape: Optional[tuple]) -> torch.Tensor:
+    if shape is not None and tuple(tensor.shape) != tuple(shape):
+        raise HFCheckpointError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                f"expected {tuple(shape)}")
+    return tensor
+
+
 class HFCheckpoint:
     """Lazy reader of a HF checkpoint directory: config.json + *.safetensors (+ index)."""
 
@@ -150,11 +157,7 @@ class HFCheckpoint:
             if not os.path.isfile(full):
                 raise HFCheckpointError(f"{self.path}: tensor {name!r} points to missing {fname}")
             self._open[fname] = self._safe_open(full, "pt")
-        tensor = self._open[fname].get_tensor(name)
-        if shape is not None and tuple(tensor.shape) != tuple(shape):
-            raise HFCheckpointError(f"{self.path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                    f"expected {tuple(shape)}")
-        return tensor
+        return _checked(self.path, name, self._open[fname].get_tensor(name), shape)
 
 
 def write_hf_checkpoint(tensors: dict, config: dict, out_dir: str,
@@ -353,11 +356,7 @@ class TensorSource:
     def get(self, name: str, shape: Optional[tuple] = None) -> torch.Tensor:
         if name not in self.tensors:
             raise HFCheckpointError(f"{self.path}: missing tensor {name!r}")
-        t = self.tensors[name]
-        if shape is not None and tuple(t.shape) != tuple(shape):
-            raise HFCheckpointError(f"{self.path}: tensor {name!r} has shape {tuple(t.shape)}, "
-                                    f"expected {tuple(shape)}")
-        return t
+        return _checked(self.path, name, self.tensors[name], shape)
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import traceback
 import warnings
 
@@ -38,9 +39,12 @@ def _entry(rank, world_size, port, fn, args, results):
         results.put((rank, False, traceback.format_exc()))
     finally:
         try:
-            from megatron_gspo.parallel import destroy_parallel
+            if "megatron.core.parallel_state" in sys.modules:  # only tear down what was set up
+                from megatron_gspo.parallel import destroy_parallel
 
-            destroy_parallel()
+                destroy_parallel()
+            elif torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
         except Exception:
             pass
 

@@ -6,12 +6,17 @@ import torch
 import torch.distributed as dist
 
 
-def cp_loss_job(algo, logp, old, adv, mask, cp, options):
-    """This rank's zigzag chunks of every row; loss through one per-sequence all-reduce."""
+def cp_loss_job(algos, batches, cp, options):
+    """For each algo and batch: this rank's zigzag chunks of every row, the loss through one
+    per-sequence all-reduce. Returns results[algo][batch index]."""
+    dist.init_process_group("gloo", init_method="env://")
+    return {algo: [_cp_loss(algo, *batch, cp, options) for batch in batches] for algo in algos}
+
+
+def _cp_loss(algo, logp, old, adv, mask, cp, options):
     from megatron_gspo.losses import shard_policy_loss
     from megatron_gspo.seqshard import SequenceReducer, TokenShard, zigzag_index
 
-    dist.init_process_group("gloo", init_method="env://")
     rank = dist.get_rank()
     b, t = logp.shape
     x = logp.clone().requires_grad_()

@@ -17,13 +17,18 @@ def data():
     return batch(11, b=6, t=16, spread=0.001, lengths=[16, 1, 0, 9, 5, 12])
 
 
+@pytest.fixture(scope="module")
+def cp_results(data):
+    return {cp: run_ranks(cp_loss_job, cp, ALGOS, [data], cp, {}) for cp in (2, 4)}
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("algo", ALGOS)
-def test_context_parallel_zigzag(data, algo, cp):
+def test_context_parallel_zigzag(data, cp_results, algo, cp):
     logp, old, adv, mask = data
     full_loss, full_grad = value_and_grad(lambda x: policy_loss(algo, x, old, adv, mask)[0], logp)
     _, full_metrics = policy_loss(algo, logp, old, adv, mask)
-    ranks = run_ranks(cp_loss_job, cp, algo, logp, old, adv, mask, cp, {})
+    ranks = [r[algo][0] for r in cp_results[cp]]
     covered = torch.zeros(logp.numel(), dtype=torch.bool)
     for r in ranks:
         assert abs(r["loss"].item() - full_loss.item()) <= 1e-12
@@ -41,21 +46,20 @@ def test_context_parallel_zigzag(data, algo, cp):
 def test_context_parallel_fp32(data):
     logp, old, adv, mask = (x.float() for x in data)
     full_loss, full_grad = value_and_grad(lambda x: policy_loss("gspo", x, old, adv, mask)[0], logp)
-    for r in run_ranks(cp_loss_job, 2, "gspo", logp, old, adv, mask, 2, {}):
+    for r in (x["gspo"][0] for x in run_ranks(cp_loss_job, 2, ["gspo"], [(logp, old, adv, mask)],
+                                                2, {})):
         assert abs(r["loss"].item() - full_loss.item()) <= 1e-5
         assert (r["grad"].reshape(-1)[r["index"]] - full_grad.reshape(-1)[r["index"]]).abs().max() \
             <= 1e-5
 
 
-@pytest.mark.parametrize("algo", ALGOS)
-def test_reduction_sends_values_per_sequence_not_per_token(algo):
-    sent = {}
-    for t in (16, 256):
-        logp, old, adv, mask = batch(3, b=6, t=t, spread=0.001, lengths=[t, 1, 0, t // 2, 5, t])
-        ranks = run_ranks(cp_loss_job, 2, algo, logp, old, adv, mask, 2, {})
-        sent[t] = ranks[0]["values_sent"]
-    assert sent[16] == sent[256]
-    assert sent[16] <= 8 * 6 + 2  # K <= 8 statistics per sequence (+ 2 for the ratio min/max)
+def test_reduction_sends_values_per_sequence_not_per_token():
+    batches = [batch(3, b=6, t=t, spread=0.001, lengths=[t, 1, 0, t // 2, 5, t]) for t in (16, 256)]
+    results = run_ranks(cp_loss_job, 2, ALGOS, batches, 2, {})[0]
+    for algo in ALGOS:
+        short, long = (r["values_sent"] for r in results[algo])
+        assert short == long, algo
+        assert short <= 8 * 6 + 2  # K <= 8 statistics per sequence (+ 2 for the ratio min/max)
 
 
 @pytest.mark.parametrize("algo", ALGOS)

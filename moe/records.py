@@ -7,7 +7,6 @@ rank's router sees (Megatron's ``[s, b]`` order: index ``s * B + b``).
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import dataclass
 from typing import Optional, Sequence

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 REPLAY_MODEL = dict(vocab_size=128, hidden_size=64, num_layers=4, num_attention_heads=4,
                     num_query_groups=2, head_dim=16, ffn_hidden_size=96, moe_ffn_hidden_size=32,

@@ -20,7 +20,6 @@ SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_
 def _serve(hf_dir, ready):
     import warnings
 
-    import numpy as np
     import torch
 
     warnings.filterwarnings("ignore")

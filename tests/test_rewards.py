@@ -2,10 +2,8 @@
 bounded reward pool."""
 
 import os
-import signal
 import socket
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.replay_workers import REPLAY_MODEL, replay_job
+from tests.replay_workers import replay_job
 
 CASES = {
     "single": (1, {}, False, None),

@@ -12,7 +12,7 @@ Legend: ``B`` rows (prompts x samples), ``P`` padded prompt length, ``S`` P + ma
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 

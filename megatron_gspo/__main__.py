@@ -1,4 +1,5 @@
-"""``python -m megatron_gspo``: the Hydra application (config in conf/)."""
+"""``python -m megatron_gspo``: the Hydra application (config in conf/); exit codes in
+``megatron_gspo.faults``."""
 
 import logging
 import sys
@@ -14,7 +15,7 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from megatron_gspo import demo
+    from megatron_gspo import faults, trainer
     from megatron_gspo.parallel import destroy_parallel
 
     # Megatron logs every parameter group at INFO and warns about each missing optional kernel.
@@ -23,10 +24,17 @@ def main(cfg: DictConfig) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     try:
         job = job_from_omegaconf(cfg)
-        demo.run(job)
+        trainer.train(job)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(faults.CONFIG_EXIT_CODE)
+    except faults.StopRequested as e:
+        print(f"stopped by {e.signame}: checkpoint {e.checkpoint}; exit {faults.REQUEUE_EXIT_CODE} "
+              "(requeue to resume)", file=sys.stderr, flush=True)
+        sys.exit(faults.REQUEUE_EXIT_CODE)
+    except faults.NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(faults.NONFINITE_EXIT_CODE)
     finally:
         try:
             destroy_parallel()

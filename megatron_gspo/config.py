@@ -163,25 +163,253 @@ class ParallelConfig:
         return dp
 
 
-@dataclass
-class DemoConfig:
-    """The model smoke run that ``python -m megatron_gspo`` performs."""
+ALGOS = ("gspo", "gspo_token", "grpo")
 
-    batch_size: int = 4
-    seq_length: int = 32
-    steps: int = 2
+
+@dataclass
+class AlgoConfig:
+    """The policy objective (``megatron_gspo.losses``). Clip ranges default to the paper's:
+    GSPO (3e-4, 4e-4), GRPO (0.2, 0.27)."""
+
+    name: str = "gspo"  # gspo | gspo_token | grpo
+    clip_low: Optional[float] = None
+    clip_high: Optional[float] = None
+    aggregation: str = "seq_mean"  # seq_mean (the paper) | token_mean (GRPO only, DAPO-style)
+    dual_clip: Optional[float] = None  # GRPO only
+    kl_coef: float = 0.0  # > 0 builds a frozen reference model (k3 estimator)
+    entropy_coef: float = 0.0
+    minibatches: int = 4  # policy updates per rollout batch (the paper: 4; later ones off-policy)
+    scale_advantages: bool = True  # divide by the group's reward std
+    old_logprobs: str = "recompute"  # recompute (trainer's pass on the old policy) | engine
+
+    def validate(self) -> "AlgoConfig":
+        from megatron_gspo.losses import validate_options
+
+        if self.name not in ALGOS:
+            raise _err("algo.name", self.name, "is unknown", f"use one of {', '.join(ALGOS)}")
+        if self.minibatches < 1:
+            raise _err("algo.minibatches", self.minibatches, "must be >= 1", "use 1 for on-policy")
+        if self.old_logprobs not in ("recompute", "engine"):
+            raise _err("algo.old_logprobs", self.old_logprobs, "is unknown", "use recompute or engine")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise _err("algo.kl_coef" if self.kl_coef < 0 else "algo.entropy_coef",
+                       min(self.kl_coef, self.entropy_coef), "must be >= 0", "use 0 to disable")
+        if self.dual_clip is not None and self.name != "grpo":
+            raise _err("algo.dual_clip", self.dual_clip, f"applies to grpo only, not {self.name}",
+                       "remove algo.dual_clip")
+        try:
+            validate_options(self.name, self.clip_low, self.clip_high, self.loss_options())
+        except ValueError as e:
+            key = "algo.aggregation" if "aggregation" in str(e) else (
+                "algo.dual_clip" if "dual_clip" in str(e) else "algo.clip_low")
+            raise _err(key, getattr(self, key.split(".")[1]), str(e).split(": ", 1)[-1],
+                       "see DEFAULT_CLIP and the algo group's options") from None
+        return self
+
+    def loss_options(self) -> dict:
+        out = {"aggregation": self.aggregation, "kl_coef": self.kl_coef,
+               "entropy_coef": self.entropy_coef}
+        if self.name == "grpo":
+            out["dual_clip"] = self.dual_clip
+        return out
+
+
+@dataclass
+class RolloutConfig:
+    """Generation: prompts per step, responses per prompt (the group), sampling."""
+
+    engine: str = "local"  # local (in-process Megatron) | sglang (HTTP servers)
+    prompts_per_step: int = 16  # global, split over data-parallel ranks
+    group_size: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    sglang_urls: list = field(default_factory=list)  # servers (engine=sglang)
+    sglang_router_url: Optional[str] = None
+    weight_sync: str = "disk"  # sglang: disk | distributed | tensor
+    return_routes: bool = False  # sglang: ask the servers for routed experts (R3, drift)
+
+    def validate(self) -> "RolloutConfig":
+        if self.engine not in ("local", "sglang"):
+            raise _err("rollout.engine", self.engine, "is unknown", "use local or sglang")
+        for key in ("prompts_per_step", "group_size", "max_new_tokens"):
+            if getattr(self, key) < 1:
+                raise _err(f"rollout.{key}", getattr(self, key), "must be >= 1", "set a value >= 1")
+        if self.group_size < 2:
+            raise _err("rollout.group_size", self.group_size, "a group of one has no baseline "
+                       "(advantage 0 for every response)", "use group_size >= 2")
+        if self.temperature <= 0:
+            raise _err("rollout.temperature", self.temperature, "RL needs sampled responses",
+                       "use a temperature > 0")
+        if not 0 < self.top_p <= 1:
+            raise _err("rollout.top_p", self.top_p, "must be in (0, 1]", "use 1.0 to disable")
+        if self.engine == "sglang" and not (self.sglang_urls or self.sglang_router_url):
+            raise _err("rollout.sglang_urls", self.sglang_urls, "engine=sglang needs servers",
+                       "list server URLs or set rollout.sglang_router_url")
+        if self.weight_sync not in ("disk", "distributed", "tensor"):
+            raise _err("rollout.weight_sync", self.weight_sync, "is unknown",
+                       "use disk, distributed or tensor")
+        return self
+
+    @property
+    def engine_returns_routes(self) -> bool:
+        return self.engine == "local" or self.return_routes
+
+
+@dataclass
+class ReplayConfig:
+    """Routing Replay: none, r2 (routes of the trainer's old-policy pass) or r3 (routes of the
+    rollout engine)."""
+
+    mode: str = "none"  # none | r2 | r3
+
+    def validate(self) -> "ReplayConfig":
+        if self.mode not in ("none", "r2", "r3"):
+            raise _err("replay.mode", self.mode, "is unknown", "use none, r2 or r3")
+        return self
+
+
+@dataclass
+class DataConfig:
+    """Prompts and the verifiable reward. ``task`` is a built-in synthetic task (add, reverse) or
+    ``files`` for prompt files (jsonl / parquet) with ``reward`` naming the verifier."""
+
+    task: str = "reverse"  # add | reverse | files
+    train_size: int = 2000
+    eval_size: int = 200
+    max_value: int = 9  # add: operand range
+    max_len: int = 4  # reverse: word length
+    files: list = field(default_factory=list)
+    eval_files: list = field(default_factory=list)
+    reward: str = "exact_match"  # exact_match | math | code
+    tokenizer: str = "builtin"  # builtin | a local Hugging Face tokenizer directory
+
+    def validate(self) -> "DataConfig":
+        if self.task not in ("add", "reverse", "files"):
+            raise _err("data.task", self.task, "is unknown", "use add, reverse or files")
+        if self.task == "files" and not self.files:
+            raise _err("data.files", self.files, "task=files needs prompt files",
+                       "list .jsonl or .parquet files")
+        if self.train_size < 1 or self.eval_size < 0:
+            raise _err("data.train_size" if self.train_size < 1 else "data.eval_size",
+                       self.train_size if self.train_size < 1 else self.eval_size,
+                       "is out of range", "use train_size >= 1 and eval_size >= 0")
+        from megatron_gspo.rewards import REWARDS, get_reward
+
+        try:
+            get_reward(self.reward)
+        except ValueError:
+            raise _err("data.reward", self.reward, "is unknown",
+                       f"use one of {', '.join(sorted(REWARDS))}") from None
+        return self
+
+
+@dataclass
+class TrainerConfig:
+    """The loop: steps, optimizer and LR schedule, SFT warm-up, checkpoints, fault handling."""
+
+    steps: int = 60  # RL steps (rollout batches)
+    micro_batch_size: int = 8  # rows per micro-batch per data-parallel rank
     lr: float = 1e-3
-    updates_per_batch: int = 2  # optimizer steps on each batch (update drift compares their routes)
-    drift: bool = True  # expert-drift instrumentation (TensorBoard, drift.jsonl, drift_report.html)
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0  # in optimizer updates
+    lr_schedule: str = "constant"  # constant | cosine (after warmup)
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    clip_grad: float = 1.0
+    sft_steps: int = 0  # supervised warm-up on the task's answers before RL
+    sft_batch_size: int = 32
+    sft_lr: float = 3e-3
+    eval_interval: int = 0  # RL steps between held-out evaluations (0: only before and after)
+    save_interval: int = 10  # RL steps between checkpoints (0: only at the end and on signals)
+    keep_checkpoints: int = 2
+    resume: str = "auto"  # auto (latest in the run directory, if any) | never | a checkpoint path
+    max_consecutive_skips: int = 3  # non-finite updates in a row before the run stops
+    nan_at_updates: list = field(default_factory=list)  # fault injection: NaN grads at these updates
+    kill_during_save: int = -1  # fault injection: SIGKILL while writing this step's checkpoint
+
+    def validate(self) -> "TrainerConfig":
+        for key in ("steps", "micro_batch_size", "sft_batch_size", "keep_checkpoints",
+                    "max_consecutive_skips"):
+            if getattr(self, key) < 1:
+                raise _err(f"trainer.{key}", getattr(self, key), "must be >= 1", "set a value >= 1")
+        for key in ("lr", "sft_lr"):
+            if getattr(self, key) <= 0:
+                raise _err(f"trainer.{key}", getattr(self, key), "must be > 0", "set a positive rate")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise _err("trainer.lr_schedule", self.lr_schedule, "is unknown", "use constant or cosine")
+        for key in ("sft_steps", "eval_interval", "save_interval", "lr_warmup_steps"):
+            if getattr(self, key) < 0:
+                raise _err(f"trainer.{key}", getattr(self, key), "must be >= 0", "use 0 to disable")
+        if self.clip_grad < 0:
+            raise _err("trainer.clip_grad", self.clip_grad, "must be >= 0", "use 0 to disable")
+        return self
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    drift: bool = True  # expert-drift instrumentation (moe/ tags, drift.jsonl, drift_report.html)
+    progress: bool = True  # console progress bar
 
 
 @dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    demo: DemoConfig = field(default_factory=DemoConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     seed: int = 1234
     run_dir: str = "."
+
+    def validate(self) -> "JobConfig":
+        """Each component's checks, then the combinations (the world size is checked by
+        ``ParallelConfig.validate`` once it is known)."""
+        for part in (self.model, self.algo, self.rollout, self.replay, self.data, self.trainer):
+            part.validate()
+        if self.replay.mode != "none" and not self.model.is_moe:
+            raise _err("replay.mode", self.replay.mode, "routing replay needs an MoE model",
+                       "set replay=none")
+        if self.replay.mode == "r3" and not self.rollout.engine_returns_routes:
+            raise _err("replay.mode", "r3", f"rollout.engine={self.rollout.engine} does not "
+                       "return routed experts", "set rollout.return_routes=true or use replay=r2")
+        if self.algo.old_logprobs == "engine" and self.replay.mode == "r2":
+            raise _err("algo.old_logprobs", "engine", "r2 replays the routes of the trainer's "
+                       "old-policy pass, which engine log-probs skip", "use algo.old_logprobs="
+                       "recompute with r2")
+        rows = self.rollout.prompts_per_step * self.rollout.group_size
+        if rows % self.algo.minibatches:
+            raise _err("algo.minibatches", self.algo.minibatches, f"does not divide the "
+                       f"{rows} responses of a step (prompts_per_step x group_size)",
+                       "choose a divisor")
+        if self.data.tokenizer == "builtin":
+            from megatron_gspo.data.tokenizer import CharTokenizer
+
+            if self.model.vocab_size < CharTokenizer().vocab_size:
+                raise _err("model.vocab_size", self.model.vocab_size, "is smaller than the built-in "
+                           f"tokenizer's {CharTokenizer().vocab_size} ids", "raise model.vocab_size")
+        return self
+
+    def check_layout(self, dp: int) -> None:
+        """Combinations that depend on the data-parallel size."""
+        if self.rollout.prompts_per_step % dp:
+            raise _err("rollout.prompts_per_step", self.rollout.prompts_per_step,
+                       f"does not split over {dp} data-parallel ranks", f"use a multiple of {dp}")
+        rows = self.rollout.prompts_per_step * self.rollout.group_size // dp
+        per_mb = rows // self.algo.minibatches
+        if rows % self.algo.minibatches or per_mb % self.trainer.micro_batch_size:
+            raise _err("trainer.micro_batch_size", self.trainer.micro_batch_size,
+                       f"does not divide the {per_mb} rows of a mini-batch on each of {dp} "
+                       "data-parallel ranks", "choose a divisor")
+        if self.trainer.sft_steps and self.trainer.sft_batch_size % dp:
+            raise _err("trainer.sft_batch_size", self.trainer.sft_batch_size,
+                       f"does not split over {dp} data-parallel ranks", f"use a multiple of {dp}")
 
 
 def register_configs() -> None:
@@ -192,6 +420,12 @@ def register_configs() -> None:
     cs.store(name="job_schema", node=JobConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
+    cs.store(group="algo", name="algo_schema", node=AlgoConfig)
+    cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
+    cs.store(group="replay", name="replay_schema", node=ReplayConfig)
+    cs.store(group="data", name="data_schema", node=DataConfig)
+    cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
+    cs.store(group="logging", name="logging_schema", node=LoggingConfig)
 
 
 def to_dataclass(cls, node) -> Any:
@@ -209,14 +443,35 @@ def to_dataclass(cls, node) -> Any:
     return cls(**kwargs)
 
 
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "algo": AlgoConfig,
+            "rollout": RolloutConfig, "replay": ReplayConfig, "data": DataConfig,
+            "trainer": TrainerConfig, "logging": LoggingConfig}
+
+
+def job_from_dict(data: dict) -> JobConfig:
+    """A validated JobConfig from plain data; unknown sections and keys are errors."""
+    known = set(SECTIONS) | {"seed", "run_dir", "cluster", "experiment"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise _err(unknown[0], data[unknown[0]], "is not a config section",
+                   f"use one of {', '.join(sorted(known))}")
+    parts = {}
+    for name, cls in SECTIONS.items():
+        try:
+            parts[name] = to_dataclass(cls, data.get(name) or {})
+        except ConfigError as e:
+            raise ConfigError(f"{name}.{e}") from None
+        except TypeError as e:
+            raise ConfigError(f"{name}: {e}") from None
+    job = JobConfig(**parts, seed=int(data.get("seed", 1234)), run_dir=str(data.get("run_dir", ".")))
+    return job.validate()
+
+
 def job_from_omegaconf(node) -> JobConfig:
     from omegaconf import OmegaConf
 
-    data = OmegaConf.to_container(node, resolve=True)
-    return JobConfig(
-        model=to_dataclass(ModelConfig, data.get("model", {})).validate(),
-        parallel=to_dataclass(ParallelConfig, data.get("parallel", {})),
-        demo=to_dataclass(DemoConfig, data.get("demo", {})),
-        seed=int(data.get("seed", 1234)),
-        run_dir=str(data.get("run_dir", ".")),
-    )
+    return job_from_dict(OmegaConf.to_container(node, resolve=True))
+
+
+def job_to_dict(job: JobConfig) -> dict:
+    return dataclasses.asdict(job)

@@ -279,6 +279,41 @@ def _distopt_active() -> bool:
     return getattr(DistributedOptimizer.__init__, "_cpu_adapted", False)
 
 
+def _adam_step_needed() -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return "dst_tensors[key].copy_(tensors[key])" in inspect.getsource(
+        distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states)
+
+
+def _adam_step_apply() -> None:
+    """Loading a reshardable distributed-optimizer checkpoint into torch's Adam (the optimizer
+    without TE / apex) copies every state key of the live optimizer from the checkpoint, including
+    Adam's per-param ``step``, which the checkpoint keeps in the param groups instead: KeyError.
+    The states the checkpoint has are copied; ``step`` is restored from the param groups as before.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        for key, dst in {"param": main_param, **self.optimizer.state[main_param]}.items():
+            if key in tensors:
+                dst.copy_(tensors[key])
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    _set_main_param_and_optimizer_states._cpu_adapted = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+
+def _adam_step_active() -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return getattr(DistributedOptimizer._set_main_param_and_optimizer_states, "_cpu_adapted", False)
+
+
 # ---------------------------------------------------------------------------------------------
 # The registry.
 # ---------------------------------------------------------------------------------------------
@@ -353,6 +388,9 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
     Adaptation("distributed_optimizer_param_types", "DistributedOptimizer groups params by CUDA "
                "tensor-type names and raises TypeError on CPU ones", _distopt_needed, _distopt_apply,
                _distopt_active),
+    Adaptation("distributed_optimizer_torch_adam_load", "loading a reshardable optimizer "
+               "checkpoint into torch's Adam copies a 'step' state the checkpoint does not hold",
+               _adam_step_needed, _adam_step_apply, _adam_step_active),
 )
 
 

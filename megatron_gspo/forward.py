@@ -26,6 +26,7 @@ class MicroBatch:
     old_logp_BS: Optional[torch.Tensor] = None
     loss_mask_BS: Optional[torch.Tensor] = None
     advantages_B: Optional[torch.Tensor] = None
+    ref_logp_BS: Optional[torch.Tensor] = None  # reference policy, for the KL term
     # Packed sequences (B = 1, THD): cumulative sequence lengths of the row.
     cu_seqlens: Optional[torch.Tensor] = None
 

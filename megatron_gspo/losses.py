@@ -80,6 +80,12 @@ def _options(algo: str, clip_low, clip_high, options: dict) -> LossOptions:
     return opts
 
 
+def validate_options(algo: str, clip_low=None, clip_high=None, options: Optional[dict] = None
+                     ) -> LossOptions:
+    """The loss options ``shard_policy_loss`` would use; raises ValueError naming a bad one."""
+    return _options(algo, clip_low, clip_high, options or {})
+
+
 def _k3(logp_N, ref_logp_N):
     """Schulman's k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
     d = ref_logp_N - logp_N
@@ -114,8 +120,9 @@ def _clip(ratio, adv, opts: LossOptions):
 def _token_rows(shard: TokenShard, opts: LossOptions, extra: list):
     m = shard.mask_N
     zero = torch.zeros_like(m)
-    kl = _k3(shard.logp_N, shard.ref_logp_N) * m if opts.kl_coef else zero
-    ent = shard.entropy_N * m if opts.entropy_coef else zero
+    # Reported whenever given (the coefficients decide whether they enter the loss).
+    kl = _k3(shard.logp_N, shard.ref_logp_N) * m if shard.ref_logp_N is not None else zero
+    ent = shard.entropy_N * m if shard.entropy_N is not None else zero
     return torch.stack([m * (shard.logp_N - shard.old_logp_N), m, kl, ent, *extra])
 
 

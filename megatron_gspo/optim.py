@@ -26,24 +26,50 @@ def wrap_and_build_optimizer(gpt, ctx: ParallelContext, cfg: OptimConfig):
     Returns ``(ddp_model, optimizer)``; forward_backward on ``ddp_model`` then ``optimizer.step()``
     performs one update with gradients reduced over DP (and summed over TP for SP params).
     """
+    ddp = wrap_ddp(gpt, ctx, use_distributed_optimizer=cfg.use_distributed_optimizer)
+    return ddp, build_optimizer(ddp, ctx, cfg)
+
+
+def wrap_ddp(gpt, ctx: ParallelContext, *, use_distributed_optimizer: bool = True):
+    """Megatron DistributedDataParallel around ``gpt`` (fp32 gradient reduction)."""
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                            finalize_model_grads)
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.use_distributed_optimizer)
+        grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer)
     ddp = DistributedDataParallel(config=gpt.config, ddp_config=ddp_cfg, module=gpt,
                                   pg_collection=ctx.pg)
     gpt.config.finalize_model_grads_func = finalize_model_grads
     gpt.config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def build_optimizer(ddp, ctx: ParallelContext, cfg: OptimConfig):
+    """A Megatron optimizer over ``ddp``'s parameters; its main weights start from the current
+    model weights (build a new one to restart the moments, e.g. after a warm-up stage)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    gpt = ddp.module
     opt_cfg = OptimizerConfig(
         optimizer=cfg.optimizer, sgd_momentum=0.0, lr=cfg.lr, weight_decay=cfg.weight_decay,
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, clip_grad=cfg.clip_grad,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         bf16=gpt.config.bf16, params_dtype=gpt.config.params_dtype)
-    optimizer = get_megatron_optimizer(opt_cfg, [ddp], use_gloo_process_groups=False,
-                                       pg_collection=ctx.pg)
-    return ddp, optimizer
+    return get_megatron_optimizer(opt_cfg, [ddp], use_gloo_process_groups=False,
+                                  pg_collection=ctx.pg)
+
+
+def build_scheduler(optimizer, *, lr: float, min_lr: float, warmup: int, total: int, style: str):
+    """Megatron's LR scheduler: linear warmup over ``warmup`` updates, then constant or cosine
+    decay to ``min_lr`` at update ``total``."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup else lr, max_lr=lr, min_lr=min_lr if style == "cosine" else lr,
+        lr_warmup_steps=warmup, lr_decay_steps=max(total, warmup + 1), lr_decay_style=style,
+        start_wd=optimizer.param_groups[0].get("weight_decay", 0.0),
+        end_wd=optimizer.param_groups[0].get("weight_decay", 0.0),
+        wd_incr_steps=max(total, 1), wd_incr_style="constant")
 
 
 def zero_grads(ddp, optimizer) -> None:

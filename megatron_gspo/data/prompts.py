@@ -98,8 +98,10 @@ class PromptDataset:
     """Records of one or more files; ``batches`` yields shuffled batches epoch after epoch, in an
     order fixed by (seed, epoch); ``state_dict`` / ``load_state_dict`` resume at the same record."""
 
-    def __init__(self, paths: list, *, seed: int = 0):
-        self.records = [r for p in paths for r in read_prompt_file(p)]
+    def __init__(self, paths: list, *, seed: int = 0, records: Optional[list] = None):
+        self.records = list(records or []) + [r for p in paths for r in read_prompt_file(p)]
+        if not self.records:
+            raise PromptDataError("no prompts: give prompt files or records")
         self.seed = seed
         self.epoch, self.position = 0, 0
 

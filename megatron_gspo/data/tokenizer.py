@@ -42,7 +42,8 @@ class CharTokenizer:
             if i == self.eos_id:
                 break
             if i >= len(self.SPECIALS):
-                out.append(self.chars[i - len(self.SPECIALS)])
+                # ids past the tokenizer (a model vocabulary padded beyond it) decode to U+FFFD
+                out.append(self.chars[i - len(self.SPECIALS)] if i < self.vocab_size else "\ufffd")
         return "".join(out)
 
     def render_prompt(self, prompt: Optional[str], messages: Optional[list]) -> list[int]:

@@ -20,10 +20,21 @@ from megatron_gspo.parallel import ParallelContext
 from megatron_gspo.rollout.types import Sample, SamplingParams
 
 
-def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator=None):
+def row_noise(row_seeds: list, step: int, vocab: int) -> torch.Tensor:
+    """[B, V] Gumbel noise, a pure function of each row's seed and the decoding step: a row samples
+    the same tokens whichever rank, batch or position in the batch generates it."""
+    out = torch.empty(len(row_seeds), vocab)
+    for r, seed in enumerate(row_seeds):
+        g = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63 - 1))
+        out[r] = torch.rand(vocab, generator=g)
+    return -torch.log(-torch.log(out.clamp(1e-20, 1.0 - 1e-7)))
+
+
+def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator=None, noise_BV=None):
     """(token [B], log-prob [B]) from last-position logits: greedy at temperature 0, else sampled
-    from softmax(logits / T) restricted to top-k / top-p. The log-prob is of the untruncated
-    tempered distribution (T = 1 when greedy), which is what the trainer recomputes."""
+    from softmax(logits / T) restricted to top-k / top-p (with ``noise_BV``, by Gumbel-max on the
+    given noise). The log-prob is of the untruncated tempered distribution (T = 1 when greedy),
+    which is what the trainer recomputes."""
     logits = logits_BV.float()
     if params.temperature == 0:
         token = logits.argmax(-1)
@@ -40,7 +51,10 @@ def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator=None)
         drop = cum - sorted_lq.exp() > params.top_p  # keep the smallest prefix reaching top_p
         sorted_lq[drop] = -float("inf")
         filtered = torch.full_like(filtered, -float("inf")).scatter(-1, order, sorted_lq)
-    token = torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator)[:, 0]
+    if noise_BV is not None:
+        token = (filtered + noise_BV.to(filtered.device)).argmax(-1)
+    else:
+        token = torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator)[:, 0]
     return token, logq.gather(-1, token[:, None])[:, 0]
 
 
@@ -92,7 +106,10 @@ class LocalEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int,
-                 params: SamplingParams) -> list[Sample]:
+                 params: SamplingParams, *, first_row: int = 0) -> list[Sample]:
+        """``samples_per_prompt`` responses per prompt. With ``params.seed``, response r of the
+        request (counting from ``first_row``) samples from noise keyed by (seed, row): the same
+        tokens whichever data-parallel rank or batch generates it."""
         from megatron.core.inference.contexts import StaticInferenceContext
 
         params.validate()
@@ -108,9 +125,9 @@ class LocalEngine:
         for r, (_, p) in enumerate(rows):
             tokens_BP[r, p_len - len(p):] = torch.tensor(p)
             valid_BS[r, p_len - len(p):] = True
-        generator = None
+        row_seeds = None
         if params.seed is not None:
-            generator = torch.Generator(device=device).manual_seed(params.seed)
+            row_seeds = [params.seed * 7_919 + first_row + r for r in range(b)]
 
         icx = StaticInferenceContext(max_batch_size=b, max_sequence_length=s_len)
         was_training = self.gpt.training
@@ -137,7 +154,10 @@ class LocalEngine:
                 icx.sequence_len_offset += p_len
                 for step in range(params.max_new_tokens):
                     if logits is not None:
-                        token, logp = sample_next(logits[:, -1], params, generator)
+                        noise = None
+                        if row_seeds is not None and params.temperature > 0:
+                            noise = row_noise(row_seeds, step, logits.shape[-1])
+                        token, logp = sample_next(logits[:, -1], params, noise_BV=noise)
                         token, logp = token.cpu(), logp.cpu().float()
                     else:
                         token, logp = torch.zeros(b, dtype=torch.long), torch.zeros(b)

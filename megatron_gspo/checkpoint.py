@@ -1,0 +1,286 @@
+"""Training checkpoints: Megatron dist_checkpointing (sharded) for the model and the optimizer, plus
+the trainer's own state, written atomically and resumable exactly.
+
+Layout of ``ROOT`` (the run directory's ``checkpoints/``)::
+
+    latest                 name of the newest complete checkpoint (updated last)
+    step_000010/           model + optimizer shards (dist_checkpointing, any layout can read them)
+        trainer_state.json step, LR scheduler, data position, counters, layout, resolved config
+        rng/rank_00000.pt  every RNG state of each rank (Python, numpy, torch, Megatron's tracker)
+        MANIFEST.json      every file and its size, written last: its presence means complete
+    .tmp-step_000012/      a checkpoint being written; renamed into place when complete
+
+A checkpoint whose manifest is missing or does not match the files (a kill while writing, a
+truncated copy) is skipped with a warning on resume; leftover ``.tmp-*`` directories are removed by
+the next save. The optimizer is saved in Megatron's ``fully_reshardable`` format, so a checkpoint
+loads into another TP / PP / EP / DP layout; when the new layout splits the optimizer differently
+(a different set of expert-parallel parameter groups) the weights, schedule and data position load
+and the optimizer moments restart, with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.parallel import ParallelContext
+
+LATEST = "latest"
+MANIFEST = "MANIFEST.json"
+STATE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+class CheckpointError(RuntimeError):
+    """No loadable checkpoint where one was required; the message names the path and the reason."""
+
+
+def _sub_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def optimizer_has_state(optimizer) -> bool:
+    """Whether any sub-optimizer has taken a step (has moments to save); the same on every rank."""
+    local = any(len(getattr(o, "optimizer", o).state) for o in _sub_optimizers(optimizer))
+    flag = torch.tensor([1.0 if local else 0.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag)
+
+
+def optimizer_signature(optimizer) -> list:
+    """How the optimizer is split into sub-optimizers (dense / expert groups): checkpoints of
+    optimizers with the same signature load into each other across layouts."""
+    return [sorted({bool(g.get("is_expert_parallel", False)) for g in o.param_groups})
+            for o in _sub_optimizers(optimizer)]
+
+
+def _sharding_metadata(ctx: ParallelContext) -> dict:
+    meta = {"distrib_optim_sharding_type": "fully_reshardable"}
+    if ctx.device.type == "cpu":
+        # Gathers the shards over the gloo data-parallel group on CPU instead of NCCL.
+        meta["distrib_optim_fully_reshardable_mem_efficient"] = True
+    return meta
+
+
+def _prepare_optimizer(optimizer, ctx: ParallelContext, loading: bool) -> None:
+    """On CPU the data-parallel groups are gloo groups already: megatron's gloo-gather path reads
+    them as ``data_parallel_group_gloo``. Loading into torch's Adam (no TE / apex) needs its state
+    allocated first, which megatron does with a zero-gradient step."""
+    for opt in _sub_optimizers(optimizer):
+        if not hasattr(opt, "data_parallel_group"):
+            continue  # not a distributed optimizer
+        if ctx.device.type == "cpu" and getattr(opt, "data_parallel_group_gloo", None) is None:
+            opt.data_parallel_group_gloo = opt.data_parallel_group
+        if loading and len(opt.optimizer.state) == 0:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _layout(ctx: ParallelContext) -> dict:
+    return {k: getattr(ctx, k) for k in ("world_size", "tp", "pp", "ep", "cp", "etp", "dp")}
+
+
+def _manifest(path: str) -> dict:
+    files = {}
+    for base, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(base, name)
+            files[os.path.relpath(full, path)] = os.path.getsize(full)
+    return files
+
+
+def _fsync_write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def check_complete(path: str) -> Optional[str]:
+    """None when ``path`` is a complete checkpoint, else the reason it is not."""
+    manifest = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest):
+        return "no manifest (incomplete write)"
+    try:
+        with open(manifest) as f:
+            files = json.load(f)["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"corrupt manifest ({e})"
+    for name, size in files.items():
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            return f"missing file {name}"
+        if os.path.getsize(full) != size:
+            return f"file {name} has {os.path.getsize(full)} bytes, the manifest says {size}"
+    return None
+
+
+class CheckpointManager:
+    """Saves and finds checkpoints under ``root``; every rank calls ``save`` and ``load``."""
+
+    def __init__(self, root: str, ctx: ParallelContext, *, keep: int = 2):
+        self.root, self.ctx, self.keep = os.path.abspath(root), ctx, keep
+
+    # -- saving ------------------------------------------------------------------------------------
+    def save(self, step: int, *, model, optimizer, state: dict,
+             before_commit: Optional[Callable[[], None]] = None) -> str:
+        """Write checkpoint ``step``: shards, per-rank RNG, ``state`` (JSON), the manifest, then the
+        rename and the ``latest`` pointer. ``before_commit`` runs on rank 0 after the shards are on
+        disk and before anything is committed (fault injection in tests)."""
+        from megatron.core import dist_checkpointing
+
+        name = f"step_{step:06d}"
+        final, tmp = os.path.join(self.root, name), os.path.join(self.root, f".tmp-{name}")
+        rank0 = self.ctx.rank == 0
+        if rank0:
+            os.makedirs(self.root, exist_ok=True)
+            for leftover in os.listdir(self.root):
+                if leftover.startswith(".tmp-"):  # an interrupted save
+                    shutil.rmtree(os.path.join(self.root, leftover), ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        _prepare_optimizer(optimizer, self.ctx, loading=False)
+        model_sd = model.sharded_state_dict()
+        sharded = {"model": model_sd}
+        has_optimizer = optimizer_has_state(optimizer)  # a fresh optimizer (step 0) has none
+        if has_optimizer:
+            sharded["optimizer"] = optimizer.sharded_state_dict(
+                model_sd, is_loading=False, metadata=_sharding_metadata(self.ctx))
+        dist_checkpointing.save(sharded, tmp)
+        if rank0:
+            os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+        dist.barrier()
+        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{self.ctx.rank:05d}.pt"))
+        dist.barrier()
+        if rank0:
+            full_state = dict(state, step=step, layout=_layout(self.ctx), has_optimizer=has_optimizer,
+                              optimizer_signature=optimizer_signature(optimizer))
+            _fsync_write(os.path.join(tmp, STATE), json.dumps(full_state, indent=1))
+            if before_commit is not None:
+                before_commit()
+            _fsync_write(os.path.join(tmp, MANIFEST),
+                         json.dumps({"step": step, "files": _manifest(tmp)}, indent=1))
+            if os.path.exists(final):  # a re-save of the same step (after a resume)
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_write(os.path.join(self.root, LATEST + ".tmp"), name)
+            os.replace(os.path.join(self.root, LATEST + ".tmp"), os.path.join(self.root, LATEST))
+            self._prune()
+        dist.barrier()
+        return final
+
+    def _prune(self) -> None:
+        steps = sorted(self._step_dirs(), reverse=True)
+        for _, name in steps[self.keep:]:
+            shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    def _step_dirs(self) -> list:
+        if not os.path.isdir(self.root):
+            return []
+        out = []
+        for name in os.listdir(self.root):
+            m = _STEP_DIR.match(name)
+            if m:
+                out.append((int(m.group(1)), name))
+        return out
+
+    # -- finding and loading -------------------------------------------------------------------------
+    def candidates(self) -> list[str]:
+        """Complete checkpoints, newest first: ``latest`` first if valid; incomplete or corrupt
+        ones are skipped with a warning (rank 0 decides, every rank gets the same list)."""
+        holder = [None]
+        if self.ctx.rank == 0:
+            found, seen = [], set()
+            pointer = os.path.join(self.root, LATEST)
+            names = []
+            if os.path.isfile(pointer):
+                with open(pointer) as f:
+                    names.append(f.read().strip())
+            names += [n for _, n in sorted(self._step_dirs(), reverse=True)]
+            for name in names:
+                if name in seen or not name:
+                    continue
+                seen.add(name)
+                path = os.path.join(self.root, name)
+                problem = check_complete(path) if os.path.isdir(path) else "does not exist"
+                if problem:
+                    warnings.warn(f"skipping checkpoint {path}: {problem}", stacklevel=2)
+                    continue
+                found.append(path)
+            holder[0] = found
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def load(self, path: str, *, model, optimizer) -> dict:
+        """Load ``path`` into ``model`` and ``optimizer`` (every rank); returns the trainer state.
+        RNG states are restored when the layout is the one that saved them."""
+        from megatron.core import dist_checkpointing
+
+        with open(os.path.join(path, STATE)) as f:
+            state = json.load(f)
+        saved_optimizer = state.get("has_optimizer", True)
+        same_optimizer = (saved_optimizer
+                          and state.get("optimizer_signature") == optimizer_signature(optimizer))
+        _prepare_optimizer(optimizer, self.ctx, loading=True)
+        model_sd = model.sharded_state_dict()
+        sharded = {"model": model_sd}
+        if same_optimizer:
+            sharded["optimizer"] = optimizer.sharded_state_dict(
+                model_sd, is_loading=True, metadata=_sharding_metadata(self.ctx))
+        loaded = dist_checkpointing.load(sharded, path)
+        missing, _ = model.load_state_dict(loaded["model"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing:
+            raise CheckpointError(f"{path}: checkpoint lacks {missing[0]} "
+                                  f"(and {len(missing) - 1} more)")
+        if same_optimizer:
+            optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            # The model weights are loaded into the model; the fresh optimizer's fp32 main copy
+            # must follow them.
+            _reload_main_params(optimizer)
+            if saved_optimizer and self.ctx.rank == 0:
+                warnings.warn(f"{path}: the optimizer was split differently when saved "
+                              f"({state.get('optimizer_signature')} vs "
+                              f"{optimizer_signature(optimizer)}); its moments restart", stacklevel=2)
+        rng = os.path.join(path, "rng", f"rank_{self.ctx.rank:05d}.pt")
+        if state.get("layout") == _layout(self.ctx) and os.path.isfile(rng):
+            _set_rng_state(torch.load(rng, weights_only=False))
+        elif self.ctx.rank == 0:
+            warnings.warn(f"{path}: saved from layout {state.get('layout')}, resuming on "
+                          f"{_layout(self.ctx)}: RNG streams are reseeded", stacklevel=2)
+        return state
+
+
+def _reload_main_params(optimizer) -> None:
+    """Copy the model weights into the optimizer's fp32 main parameters (after a weights-only load)."""
+    for opt in _sub_optimizers(optimizer):
+        reload = getattr(opt, "reload_model_params", None)
+        if reload is not None:
+            reload()

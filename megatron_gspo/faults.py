@@ -1,0 +1,107 @@
+"""Fault handling: stop signals agreed on by every rank, and the non-finite update guard.
+
+Exit codes of ``python -m megatron_gspo`` (the SLURM scripts in ``launch/`` read them):
+
+- ``0``  finished;
+- ``75`` (``REQUEUE_EXIT_CODE``, EX_TEMPFAIL) stopped by SIGTERM or SIGUSR2 after writing a
+  checkpoint at the step boundary: requeue the job and it resumes from that checkpoint;
+- ``2``  bad configuration (nothing ran);
+- ``3``  too many consecutive non-finite updates (the last good checkpoint is intact);
+- anything else: a crash.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+REQUEUE_EXIT_CODE = 75
+CONFIG_EXIT_CODE = 2
+NONFINITE_EXIT_CODE = 3
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many non-finite updates in a row."""
+
+
+class StopRequested(SystemExit):
+    """Raised by the trainer after the checkpoint for a stop signal is written."""
+
+    def __init__(self, signame: str, checkpoint: str):
+        super().__init__(REQUEUE_EXIT_CODE)
+        self.signame, self.checkpoint = signame, checkpoint
+
+
+class StopSignals:
+    """Records SIGTERM / SIGUSR2 in a handler (nothing else happens in it); ``agreed`` tells every
+    rank, at a step boundary, whether any rank received one."""
+
+    def __init__(self):
+        self.received: Optional[int] = None
+        self._previous = {}
+
+    def install(self) -> "StopSignals":
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, _frame) -> None:
+        self.received = signum
+
+    def agreed(self) -> Optional[str]:
+        """The signal's name if any rank has received one (a collective: every rank calls)."""
+        flag = torch.tensor([self.received or 0], dtype=torch.int64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return signal.Signals(int(flag)).name if int(flag) else None
+
+
+class NonFiniteGuard:
+    """Counts skipped updates; raises ``NonFiniteError`` after ``max_consecutive`` in a row."""
+
+    def __init__(self, max_consecutive: int):
+        self.max_consecutive = max_consecutive
+        self.skipped = 0
+        self.consecutive = 0
+
+    def check(self, finite: bool, where: str) -> bool:
+        """Record one update; True when it may be applied."""
+        if finite:
+            self.consecutive = 0
+            return True
+        self.skipped += 1
+        self.consecutive += 1
+        if self.consecutive >= self.max_consecutive:
+            raise NonFiniteError(f"{self.consecutive} consecutive non-finite updates (last at {where})"
+                                 f"; stopping with the last good checkpoint intact")
+        return False
+
+    def state_dict(self) -> dict:
+        return {"skipped": self.skipped, "consecutive": self.consecutive}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped, self.consecutive = int(state["skipped"]), int(state["consecutive"])
+
+
+def all_finite(loss: Optional[torch.Tensor], grad_buffers: list) -> bool:
+    """True when the loss and every local gradient are finite on every rank (a collective)."""
+    bad = 0.0
+    if loss is not None and not bool(torch.isfinite(loss).all()):
+        bad = 1.0
+    for buf in grad_buffers:
+        if not bool(torch.isfinite(buf).all()):
+            bad = 1.0
+            break
+    flag = torch.tensor([bad])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return float(flag) == 0.0

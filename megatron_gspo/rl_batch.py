@@ -1,0 +1,115 @@
+"""From generated samples to the trainer's batch: padded rows, response masks, advantages, the
+engine's log-probs and routes, cut into mini-batches and micro-batches.
+
+Legend: ``B`` rows on this data-parallel rank (prompts x group), ``S`` padded row width (tokens fed
+to the model; targets are the next tokens), ``L`` MoE layers, ``K`` top-k, ``N`` router tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_gspo.forward import MicroBatch
+from megatron_gspo.rollout.types import Sample
+
+
+@dataclass
+class RolloutBatch:
+    """This rank's responses of one step, as right-padded rows of prompt + response."""
+
+    tokens_BS1: torch.Tensor  # [B, S + 1] token ids (inputs [:, :-1], targets [:, 1:])
+    mask_BS: torch.Tensor  # [B, S] 1.0 where the target is a response token
+    engine_logp_BS: torch.Tensor  # [B, S] the engine's log-probs at response targets, else 0
+    advantages_B: torch.Tensor
+    rewards_B: torch.Tensor
+    lengths_B: torch.Tensor  # tokens fed per row (prompt + response - 1)
+    routes: Optional[list] = None  # per row, moe.records.RoutingRecord of the engine (or None)
+    old_logp_BS: Optional[torch.Tensor] = None  # behaviour log-probs, filled before the updates
+    ref_logp_BS: Optional[torch.Tensor] = None  # reference policy (KL term)
+    recomputed_logp_BS: Optional[torch.Tensor] = None  # the trainer's pass on the old policy
+
+    @property
+    def rows(self) -> int:
+        return self.tokens_BS1.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.tokens_BS1.shape[1] - 1
+
+    def num_response_tokens(self) -> int:
+        return int(self.mask_BS.sum())
+
+
+def row_width(samples: Sequence[Sample], group=None) -> int:
+    """Widest prompt + response over every rank (one all-reduce), so that each rank pads its rows
+    the same way on any layout."""
+    import torch.distributed as dist
+
+    width = torch.tensor([max(len(s.prompt_ids) + len(s.response_ids) for s in samples)])
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
+    return int(width) - 1
+
+
+def build_batch(samples: Sequence[Sample], rewards_B: torch.Tensor, advantages_B: torch.Tensor, *,
+                width: int, pad_id: int, num_experts: int = 0) -> RolloutBatch:
+    """Pad ``samples`` to ``width`` fed tokens; a response of R tokens after a prompt of P has its
+    targets at positions P-1 .. P+R-2."""
+    from moe.records import RoutingRecord
+
+    b = len(samples)
+    tokens = torch.full((b, width + 1), pad_id, dtype=torch.long)
+    mask = torch.zeros(b, width)
+    engine_logp = torch.zeros(b, width)
+    lengths = torch.zeros(b, dtype=torch.long)
+    routes = [] if samples and samples[0].routes_TLK is not None else None
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        if p + r > width + 1:
+            raise ValueError(f"sample {i} has {p + r} tokens, the batch is {width + 1} wide")
+        tokens[i, :p + r] = torch.tensor(list(s.prompt_ids) + list(s.response_ids))
+        mask[i, p - 1:p - 1 + r] = 1.0
+        engine_logp[i, p - 1:p - 1 + r] = s.logprobs_R.float()
+        lengths[i] = p + r - 1
+        if routes is not None:
+            routes.append(RoutingRecord.from_indices(s.routes_TLK, num_experts))
+    return RolloutBatch(tokens, mask, engine_logp, advantages_B.float(), rewards_B.float(), lengths,
+                        routes)
+
+
+def micro_batches(batch: RolloutBatch, rows: Sequence[int], size: int) -> list[MicroBatch]:
+    """``rows`` of the batch as micro-batches of ``size`` rows, with what the losses need."""
+    out = []
+    for start in range(0, len(rows), size):
+        idx = torch.tensor(list(rows[start:start + size]))
+        t = batch.tokens_BS1[idx]
+        out.append(MicroBatch(
+            t[:, :-1], t[:, 1:],
+            old_logp_BS=None if batch.old_logp_BS is None else batch.old_logp_BS[idx],
+            loss_mask_BS=batch.mask_BS[idx], advantages_B=batch.advantages_B[idx]))
+    return out
+
+
+def minibatch_rows(num_rows: int, minibatches: int) -> list[list[int]]:
+    """Contiguous row ranges of each mini-batch (one optimizer update each)."""
+    per = num_rows // minibatches
+    return [list(range(k * per, (k + 1) * per)) for k in range(minibatches)]
+
+
+def engine_route_targets(batch: RolloutBatch, rows: Sequence[int], size: int, *, layers, ctx
+                         ) -> list:
+    """The engine's routes of ``rows``, per micro-batch and local MoE layer, as this rank's routers
+    see them ([N, K] in Megatron's [s, b] order): R3 targets and rollout/train drift."""
+    from moe.records import padded_routes, rank_targets
+
+    out = []
+    for start in range(0, len(rows), size):
+        part = list(rows[start:start + size])
+        routes = padded_routes([batch.routes[i] for i in part],
+                               [int(batch.lengths_B[i]) for i in part], batch.width)
+        out.append(rank_targets(routes, layers=layers, tp=ctx.tp, tp_rank=ctx.tp_rank,
+                                sequence_parallel=ctx.sequence_parallel))
+    return out

@@ -1,0 +1,532 @@
+"""The RL trainer behind ``python -m megatron_gspo``.
+
+``train(job)`` is the algorithm; every phase is one call and one timer:
+
+    rollout -> rewards -> group advantages -> old log-probs (R2 record) -> K mini-batch updates
+    -> weight sync -> metrics -> checkpoint
+
+``setup`` builds the parts (parallel layout, model, optimizer, engine, data, logging) into a
+``Run``; the phases live below the loop, the model passes in ``policy``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.config import JobConfig, job_to_dict
+from megatron_gspo.faults import NonFiniteGuard, StopRequested, StopSignals
+
+
+class Timers:
+    """Wall time per phase of one step."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+@dataclass
+class Run:
+    """Everything one training run holds."""
+
+    job: JobConfig
+    ctx: Any
+    tokenizer: Any
+    gpt: Any
+    ddp: Any
+    engine: Any
+    replay: Any  # moe.replay.RoutingReplay, when routes are recorded or replayed
+    train_data: Any  # data.prompts.PromptDataset
+    eval_records: list
+    reward_fn: Any
+    logger: Any  # metrics.RunLogger
+    ckpt: Any  # checkpoint.CheckpointManager
+    guard: NonFiniteGuard
+    signals: StopSignals
+    drift: Any = None  # drift_probe.DriftProbe
+    ref_model: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    step: int = 0  # RL steps done
+    updates: int = 0  # optimizer updates done (RL)
+    history: dict = field(default_factory=dict)
+
+
+def train(job: JobConfig) -> dict:
+    """Run (or resume) the job; returns held-out accuracy before and after RL and the last
+    step's metrics."""
+    run = setup(job)
+    try:
+        if not resume(run):
+            warm_up(run)  # held-out accuracy before, SFT, accuracy after SFT, checkpoint 0
+        for step in range(run.step + 1, job.trainer.steps + 1):
+            metrics = rl_step(run, step)
+            if job.trainer.eval_interval and step % job.trainer.eval_interval == 0:
+                metrics["eval/accuracy"] = evaluate(run)
+            stop = run.signals.agreed()
+            due = job.trainer.save_interval and step % job.trainer.save_interval == 0
+            if stop or due or step == job.trainer.steps:
+                t0 = time.perf_counter()
+                path = save(run, step)
+                metrics["perf/time/checkpoint_s"] = time.perf_counter() - t0
+            run.logger.log(step, metrics)
+            run.logger.bar(step, _summary(metrics))
+            if stop:
+                raise StopRequested(stop, path)
+        run.history["accuracy_after_rl"] = evaluate(run)
+        run.logger.log(job.trainer.steps, {"eval/accuracy": run.history["accuracy_after_rl"]},
+                       {"final": True})
+        report(run)
+        return run.history
+    finally:
+        run.signals.uninstall()
+        run.logger.close()
+
+
+def rl_step(run: Run, step: int) -> dict:
+    """One rollout batch and its K policy updates; returns the step's metrics."""
+    timers = Timers()
+    t0 = time.perf_counter()
+    with timers("rollout"):
+        records, samples = rollout(run, step)
+    with timers("reward"):
+        rewards = score(run, records, samples)
+    batch = make_batch(run, samples, rewards)
+    with timers("old_logprobs"):
+        routes = old_logprobs(run, batch)
+    with timers("update"):
+        results, drift = update(run, batch, routes)
+    with timers("weight_sync"):
+        sync_weights(run)
+    run.step = step
+    return step_metrics(run, step, batch, samples, results, drift, timers,
+                        time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Phases.
+# ---------------------------------------------------------------------------------------------
+
+def rollout(run: Run, step: int):
+    """This data-parallel rank's prompts of the step and their responses."""
+    from megatron_gspo.rollout.types import SamplingParams
+
+    r, ctx = run.job.rollout, run.ctx
+    prompts = run.train_data.next_batch(r.prompts_per_step)  # the same global batch on every rank
+    per_rank = r.prompts_per_step // ctx.dp
+    mine = prompts[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
+    ids = [run.tokenizer.render_prompt(p.prompt, p.messages) for p in mine]
+    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                            top_p=r.top_p, top_k=r.top_k,
+                            stop_token_ids=(run.tokenizer.eos_id,),
+                            seed=run.job.seed * 100_003 + step)
+    first_row = ctx.dp_rank * per_rank * r.group_size
+    if r.engine == "local":
+        samples = run.engine.generate(ids, r.group_size, params, first_row=first_row)
+    else:
+        samples = run.engine.generate(ids, r.group_size, params)
+    return [mine[s.prompt_index] for s in samples], samples
+
+
+def score(run: Run, records, samples) -> torch.Tensor:
+    from megatron_gspo.rewards import RewardInput
+
+    out = []
+    for rec, s in zip(records, samples):
+        text = run.tokenizer.decode(s.response_ids)
+        out.append(run.reward_fn(RewardInput(response=text, answer=rec.answer, tests=rec.tests,
+                                             meta=rec.metadata or {})).score)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def make_batch(run: Run, samples, rewards):
+    from megatron_gspo.advantages import group_advantages
+    from megatron_gspo.rl_batch import build_batch, row_width
+
+    adv = group_advantages(rewards, run.job.rollout.group_size,
+                           scale=run.job.algo.scale_advantages)
+    return build_batch(samples, rewards, adv, width=row_width(samples),
+                       pad_id=run.tokenizer.pad_id, num_experts=run.job.model.num_experts)
+
+
+def _targets(run: Run, batch, rows):
+    """Engine routes of ``rows`` for this rank's routers (R3 and the rollout/train drift)."""
+    from megatron_gspo.rl_batch import engine_route_targets
+
+    return engine_route_targets(batch, rows, run.job.trainer.micro_batch_size,
+                                layers=run.drift.layers if run.drift else _local_layers(run),
+                                ctx=run.ctx)
+
+
+def old_logprobs(run: Run, batch):
+    """Behaviour log-probs of the whole batch on the current (old) policy, and the routes of
+    each micro-batch's forward (recorded; or under R3, the engine's, replayed)."""
+    from megatron_gspo.policy import logprob_pass
+    from megatron_gspo.rl_batch import micro_batches
+
+    job, rows = run.job, list(range(batch.rows))
+    mbs = micro_batches(batch, rows, job.trainer.micro_batch_size)
+    temp = job.rollout.temperature
+    routes = None
+    if job.algo.old_logprobs == "engine" and job.replay.mode == "none" and run.drift is None:
+        batch.old_logp_BS = batch.engine_logp_BS.clone()
+    else:
+        r3 = _targets(run, batch, rows) if job.replay.mode == "r3" else None
+        record = run.replay is not None and r3 is None
+        logp, routes = logprob_pass(run.ddp, mbs, run.ctx, temperature=temp, replay=run.replay,
+                                    record=record, targets=r3)
+        routes = r3 if r3 is not None else routes
+        batch.old_logp_BS = (batch.engine_logp_BS.clone() if job.algo.old_logprobs == "engine"
+                             else logp)
+        batch.recomputed_logp_BS = logp
+    if run.ref_model is not None:
+        batch.ref_logp_BS, _ = logprob_pass(run.ref_model, mbs, run.ctx, temperature=temp)
+    return routes
+
+
+def update(run: Run, batch, routes):
+    """K mini-batch updates; the first is on-policy (ratio 1), later ones are off-policy."""
+    from megatron_gspo.policy import attach_ref, normalizer_for, policy_update
+    from megatron_gspo.rl_batch import micro_batches, minibatch_rows
+
+    job, size = run.job, run.job.trainer.micro_batch_size
+    results, drift = [], {}
+    replaying = job.replay.mode in ("r2", "r3")
+    step = run.step + 1
+    for k, rows in enumerate(minibatch_rows(batch.rows, job.algo.minibatches)):
+        mbs = micro_batches(batch, rows, size)
+        if k == 0 and run.drift is not None:
+            drift.update(run.drift.before_updates(run, batch, mbs[:1], routes, step))
+        attach_ref(mbs, batch.ref_logp_BS, rows)
+        first_mb = rows[0] // size
+        targets = routes[first_mb:first_mb + len(mbs)] if replaying else None
+        run.updates += 1
+        result = policy_update(
+            run.ddp, run.optimizer, mbs, run.ctx, job.algo, temperature=job.rollout.temperature,
+            normalizer=normalizer_for(job.algo, mbs, run.ctx), guard=run.guard,
+            where=f"update {run.updates}", replay=run.replay, targets=targets,
+            inject_nan=run.updates in job.trainer.nan_at_updates)
+        if result.applied:
+            run.scheduler.step(1)
+        results.append(result)
+        if k == 0 and run.drift is not None:
+            drift.update(run.drift.after_first_update(run, mbs[:1], step))
+    return results, drift
+
+
+def sync_weights(run: Run) -> None:
+    """Push the updated weights to the rollout engine (the local engine shares them)."""
+    if run.job.rollout.engine == "local":
+        run.engine.update_weights(None)
+        return
+    r = run.job.rollout
+    run.engine.sync_from_model(run.gpt, run.job.model, run.ctx, mode=r.weight_sync,
+                               disk_dir=os.path.join(run.job.run_dir, "weight_sync"))
+
+
+def evaluate(run: Run) -> float:
+    """Held-out accuracy: greedy responses to the eval prompts, mean reward (split over DP)."""
+    from megatron_gspo.rollout.types import SamplingParams
+
+    ctx, recs = run.ctx, run.eval_records
+    if not recs:
+        return float("nan")
+    mine = recs[ctx.dp_rank::ctx.dp]
+    params = SamplingParams(max_new_tokens=run.job.rollout.max_new_tokens, temperature=0.0,
+                            stop_token_ids=(run.tokenizer.eos_id,))
+    total = torch.zeros(2, dtype=torch.float64)
+    chunk = 64
+    for i in range(0, len(mine), chunk):
+        part = mine[i:i + chunk]
+        ids = [run.tokenizer.render_prompt(p.prompt, p.messages) for p in part]
+        samples = run.engine.generate(ids, 1, params)
+        total[0] += float(score(run, part, samples).sum())
+        total[1] += len(part)
+    if ctx.dp > 1:
+        dist.all_reduce(total, group=ctx.dp_group)
+    return float(total[0] / total[1])
+
+
+def step_metrics(run: Run, step, batch, samples, results, drift, timers, seconds) -> dict:
+    """The step's scalars (the TensorBoard tags listed in ``megatron_gspo.metrics``)."""
+    ctx = run.ctx
+    applied = [r for r in results if r.applied]
+    keys = ("loss", "clip_fraction", "ratio_mean", "ratio_min", "ratio_max", "entropy", "kl")
+    m = {}
+    for key in keys:
+        vals = [float(r.metrics[key]) for r in results if key in r.metrics]
+        if vals:
+            agg = min if key == "ratio_min" else max if key == "ratio_max" else None
+            m[f"train/{key}"] = agg(vals) if agg else sum(vals) / len(vals)
+    m["train/grad_norm"] = (sum(r.grad_norm for r in applied) / len(applied)) if applied else float("nan")
+    m["train/lr"] = run.optimizer.param_groups[0]["lr"]
+    m["train/skipped_updates"] = run.guard.skipped
+    # Rollout statistics over every data-parallel rank.
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+    truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float64)
+    mask = batch.mask_BS
+    recomputed = batch.recomputed_logp_BS
+    mismatch_sum = 0.0 if recomputed is None else float(
+        ((batch.engine_logp_BS - recomputed).abs() * mask).sum())
+    from megatron_gspo.advantages import informative_groups
+
+    informative = informative_groups(batch.rewards_B, run.job.rollout.group_size).double()
+    sums = torch.tensor([batch.rewards_B.double().sum(), (batch.rewards_B.double() ** 2).sum(),
+                         lengths.sum(), truncated.sum(), informative.sum(), mismatch_sum,
+                         float(mask.sum()), float(len(samples))], dtype=torch.float64)
+    if ctx.dp > 1:
+        dist.all_reduce(sums, group=ctx.dp_group)
+    n = float(sums[7])
+    mean = float(sums[0]) / n
+    m["rollout/reward_mean"] = mean
+    m["rollout/reward_std"] = max(float(sums[1]) / n - mean * mean, 0.0) ** 0.5
+    m["rollout/response_length"] = float(sums[2]) / n
+    m["rollout/truncated_fraction"] = float(sums[3]) / n
+    m["rollout/informative_fraction"] = float(sums[4]) / n
+    m["rollout/logprob_mismatch"] = float(sums[5]) / max(float(sums[6]), 1.0)
+    m.update(drift)
+    for name, sec in timers.seconds.items():
+        m[f"perf/time/{name}_s"] = sec
+    m["perf/step_time_s"] = seconds
+    m["perf/tokens_per_s"] = float(sums[6]) / max(seconds, 1e-9)
+    m["minibatch/ratio_mean"] = [float(r.metrics.get("ratio_mean", float("nan"))) for r in results]
+    m["minibatch/clip_fraction"] = [float(r.metrics.get("clip_fraction", float("nan")))
+                                    for r in results]
+    return m
+
+
+def _summary(m: dict) -> str:
+    parts = [f"reward {m['rollout/reward_mean']:.3f}", f"loss {m.get('train/loss', float('nan')):+.4f}",
+             f"clip {m.get('train/clip_fraction', float('nan')):.3f}",
+             f"len {m['rollout/response_length']:.1f}", f"{m['perf/step_time_s']:.2f}s/step"]
+    if "moe/drift/update/mean" in m:
+        parts.append(f"drift {m['moe/drift/update/mean']:.3f}")
+    if "eval/accuracy" in m:
+        parts.append(f"eval {m['eval/accuracy']:.3f}")
+    return "  ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup, warm-up, checkpoints.
+# ---------------------------------------------------------------------------------------------
+
+def _local_layers(run: Run) -> list:
+    from moe.instrument import local_layers_of
+
+    return local_layers_of(run.job.model, run.ctx)
+
+
+def setup(job: JobConfig) -> Run:
+    from megatron_gspo import cpu_backend
+    from megatron_gspo.checkpoint import CheckpointManager
+    from megatron_gspo.data.tokenizer import load_tokenizer
+    from megatron_gspo.metrics import RunLogger
+    from megatron_gspo.model import build_model
+    from megatron_gspo.optim import wrap_ddp
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.rewards import get_reward
+
+    ctx = init_parallel(job.parallel, job.model, seed=job.seed)
+    job.check_layout(ctx.dp)
+    cpu_backend.activate(ctx.device)
+    run_dir = os.path.abspath(job.run_dir)
+    tokenizer = load_tokenizer(job.data.tokenizer)
+    train_data, eval_records = load_data(job)
+    m = job.model
+    routes_needed = m.is_moe and (job.replay.mode != "none" or job.logging.drift)
+    gpt = build_model(m, ctx, moe_enable_routing_replay=routes_needed)
+    replay = None
+    if routes_needed:
+        from moe.replay import RoutingReplay
+
+        replay = RoutingReplay(gpt)
+    ddp = wrap_ddp(gpt, ctx)
+    engine = make_engine(job, gpt, ctx, replay, tokenizer)
+    logger = RunLogger(run_dir, enabled=ctx.rank == 0, tensorboard=job.logging.tensorboard,
+                       progress=job.logging.progress, total_steps=job.trainer.steps)
+    run = Run(job=job, ctx=ctx, tokenizer=tokenizer, gpt=gpt, ddp=ddp, engine=engine, replay=replay,
+              train_data=train_data, eval_records=eval_records, reward_fn=get_reward(job.data.reward),
+              logger=logger, ckpt=CheckpointManager(os.path.join(run_dir, "checkpoints"), ctx,
+                                                    keep=job.trainer.keep_checkpoints),
+              guard=NonFiniteGuard(job.trainer.max_consecutive_skips),
+              signals=StopSignals().install())
+    if routes_needed and job.logging.drift:
+        from megatron_gspo.drift_probe import DriftProbe
+
+        run.drift = DriftProbe(job, ctx, run_dir, logger.writer)
+    if job.algo.kl_coef > 0:
+        run.ref_model = build_model(m, ctx)
+    logger.say(f"layout: {ctx.describe()}; model {m.name}: {m.num_layers} layers, "
+               f"{m.num_experts} experts top-{m.top_k}; algo {job.algo.name}, replay "
+               f"{job.replay.mode}, engine {job.rollout.engine}; run dir {run_dir}")
+    _save_config(job, run_dir, ctx.rank)
+    return run
+
+
+def _save_config(job: JobConfig, run_dir: str, rank: int) -> None:
+    import json
+
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "resolved_config.json"), "w") as f:
+            json.dump(job_to_dict(job), f, indent=1)
+
+
+def load_data(job: JobConfig):
+    """Training prompts (a resumable PromptDataset) and held-out records."""
+    from megatron_gspo.data.prompts import PromptDataset, read_prompt_file
+    from megatron_gspo.data.synthetic import make_task
+
+    d = job.data
+    if d.task == "files":
+        train = PromptDataset(d.files, seed=job.seed)
+        held = [r for f in d.eval_files for r in read_prompt_file(f)][:d.eval_size or None]
+        return train, held
+    kw = dict(max_value=d.max_value, max_len=d.max_len)
+    records = make_task(d.task, d.train_size, seed=job.seed, **kw)
+    seen = {r.prompt for r in records}
+    held = [r for r in make_task(d.task, 4 * d.eval_size + 64, seed=job.seed + 7919, **kw)
+            if r.prompt not in seen]  # held out: prompts the training set does not contain
+    return PromptDataset([], seed=job.seed, records=records), held[:d.eval_size]
+
+
+def make_engine(job: JobConfig, gpt, ctx, replay, tokenizer):
+    if job.rollout.engine == "local":
+        from megatron_gspo.rollout.local_engine import LocalEngine
+
+        record = replay if (job.replay.mode == "r3" or job.logging.drift) else None
+        return LocalEngine(gpt, ctx, replay=record, pad_id=tokenizer.pad_id)
+    from megatron_gspo.rollout.sglang_engine import SGLangEngine
+
+    r, m = job.rollout, job.model
+    moe_layers = [i for i, x in enumerate(m.moe_layer_pattern) if x]
+    return SGLangEngine(r.sglang_urls or [r.sglang_router_url], num_hidden_layers=m.num_layers,
+                        top_k=m.top_k, moe_layers=moe_layers, return_routes=r.return_routes,
+                        router_url=r.sglang_router_url)
+
+
+def build_rl_optimizer(run: Run) -> None:
+    from megatron_gspo.optim import OptimConfig, build_optimizer, build_scheduler
+
+    t = run.job.trainer
+    run.optimizer = build_optimizer(run.ddp, run.ctx, OptimConfig(
+        lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
+        clip_grad=t.clip_grad))
+    run.scheduler = build_scheduler(run.optimizer, lr=t.lr, min_lr=t.min_lr,
+                                    warmup=t.lr_warmup_steps,
+                                    total=t.steps * run.job.algo.minibatches, style=t.lr_schedule)
+
+
+def warm_up(run: Run) -> None:
+    """A fresh run: held-out accuracy, the supervised warm-up, accuracy again, checkpoint 0."""
+    t = run.job.trainer
+    run.logger.truncate_after(-1)  # a fresh run: no rows of an earlier attempt in this directory
+    run.history["accuracy_initial"] = evaluate(run)
+    run.logger.say(f"held-out accuracy before training: {run.history['accuracy_initial']:.3f} "
+                   f"({len(run.eval_records)} prompts)")
+    if t.sft_steps:
+        sft(run)
+    run.history["accuracy_before_rl"] = evaluate(run)
+    run.logger.say(f"held-out accuracy before RL: {run.history['accuracy_before_rl']:.3f}")
+    run.logger.log(0, {"eval/accuracy": run.history["accuracy_before_rl"]})
+    build_rl_optimizer(run)
+    if run.ref_model is not None:  # the reference policy is the model RL starts from
+        run.ref_model.load_state_dict(run.gpt.state_dict())
+    save(run, 0)
+
+
+def sft(run: Run) -> None:
+    """Supervised warm-up: next-token loss on the answers of the training prompts."""
+    from megatron_gspo.optim import OptimConfig, build_optimizer
+    from megatron_gspo.policy import sft_micro_batches, sft_update
+
+    t, ctx, tok = run.job.trainer, run.ctx, run.tokenizer
+    optimizer = build_optimizer(run.ddp, ctx, OptimConfig(lr=t.sft_lr, clip_grad=t.clip_grad))
+    data = type(run.train_data)([], seed=run.job.seed + 1, records=run.train_data.records)
+    per_rank = t.sft_batch_size // ctx.dp
+    t0 = time.perf_counter()
+    for i in range(1, t.sft_steps + 1):
+        recs = data.next_batch(t.sft_batch_size)[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
+        mbs = sft_micro_batches([tok.render_prompt(r.prompt, r.messages) for r in recs],
+                                [tok.encode(str(r.answer)) for r in recs], eos_id=tok.eos_id,
+                                pad_id=tok.pad_id, size=t.micro_batch_size)
+        tokens = torch.tensor([float(mb.loss_mask_BS.sum()) for mb in mbs]).sum().reshape(1)
+        if ctx.dp > 1:
+            dist.all_reduce(tokens, group=ctx.dp_group)
+        loss, _ = sft_update(run.ddp, optimizer, mbs, ctx, normalizer=float(tokens) / ctx.dp,
+                             guard=run.guard, where=f"sft step {i}")
+        run.logger.scalar("sft/loss", loss, i)
+        if i % max(1, t.sft_steps // 5) == 0 or i == t.sft_steps:
+            run.logger.say(f"sft {i}/{t.sft_steps}  loss {loss:.4f}  "
+                           f"{time.perf_counter() - t0:.0f}s")
+    del optimizer
+
+
+def save(run: Run, step: int) -> str:
+    from megatron_gspo.weights import save_weights
+
+    state = {"scheduler": run.scheduler.state_dict(), "data": run.train_data.state_dict(),
+             "guard": run.guard.state_dict(), "updates": run.updates, "history": run.history,
+             "config": job_to_dict(run.job)}
+    kill = None
+    if run.job.trainer.kill_during_save == step:
+        import signal
+
+        def kill():  # fault injection: die with the shards written, nothing committed
+            os.kill(os.getpid(), signal.SIGKILL)
+    path = run.ckpt.save(step, model=run.gpt, optimizer=run.optimizer, state=state,
+                         before_commit=kill)
+    if step == 0 and run.ref_model is not None:
+        save_weights(run.ref_model, os.path.join(run.job.run_dir, "reference"), run.job.model)
+    return path
+
+
+def resume(run: Run) -> bool:
+    """Load the newest complete checkpoint (``trainer.resume``); False for a fresh run."""
+    from megatron_gspo.checkpoint import CheckpointError
+
+    mode = run.job.trainer.resume
+    if mode == "never":
+        return False
+    candidates = run.ckpt.candidates() if mode == "auto" else [os.path.abspath(mode)]
+    if not candidates:
+        if mode != "auto":
+            raise CheckpointError(f"trainer.resume={mode!r}: no such checkpoint")
+        return False
+    build_rl_optimizer(run)
+    path = candidates[0]
+    state = run.ckpt.load(path, model=run.gpt, optimizer=run.optimizer)
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.train_data.load_state_dict(state["data"])
+    run.guard.load_state_dict(state["guard"])
+    run.updates, run.step = int(state["updates"]), int(state["step"])
+    run.history = dict(state.get("history", {}))
+    if run.ref_model is not None:
+        from megatron_gspo.weights import load_weights
+
+        load_weights(run.ref_model, os.path.join(run.job.run_dir, "reference"))
+    run.logger.truncate_after(run.step)
+    run.logger.say(f"resumed from {path} (step {run.step}, {run.updates} updates)")
+    return True
+
+
+def report(run: Run) -> None:
+    h = run.history
+    run.logger.say(f"held-out accuracy: {h.get('accuracy_before_rl', float('nan')):.3f} before RL "
+                   f"-> {h['accuracy_after_rl']:.3f} after {run.job.trainer.steps} RL steps")
+    if run.drift is not None:
+        run.drift.close(run.ctx)

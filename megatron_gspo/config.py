@@ -8,6 +8,7 @@ line naming the key, the bad value and the fix, raised before any process group 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -319,6 +320,7 @@ class TrainerConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     clip_grad: float = 1.0
+    init_from: str = ""  # starting weights: a HF Qwen3-MoE directory or a weights checkpoint
     sft_steps: int = 0  # supervised warm-up on the task's answers before RL
     sft_batch_size: int = 32
     sft_lr: float = 3e-3
@@ -343,6 +345,9 @@ class TrainerConfig:
         for key in ("sft_steps", "eval_interval", "save_interval", "lr_warmup_steps"):
             if getattr(self, key) < 0:
                 raise _err(f"trainer.{key}", getattr(self, key), "must be >= 0", "use 0 to disable")
+        if self.init_from and not os.path.isdir(self.init_from):
+            raise _err("trainer.init_from", self.init_from, "is not a directory",
+                       "give a HF Qwen3-MoE directory or a weights checkpoint")
         if self.clip_grad < 0:
             raise _err("trainer.clip_grad", self.clip_grad, "must be >= 0", "use 0 to disable")
         return self
@@ -356,6 +361,40 @@ class LoggingConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Where the job runs: ``local`` (this machine; torchrun for several ranks) or ``slurm``
+    (Hydra's submitit launcher for sweeps; ``launch/submit.sh`` for multi-node sbatch jobs)."""
+
+    name: str = "local"  # local | slurm
+    partition: str = ""
+    account: str = ""
+    nodes: int = 1
+    gpus_per_node: int = 8
+    cpus_per_task: int = 16
+    time_min: int = 240  # job time limit in minutes
+    signal_s: int = 300  # SIGUSR2 this many seconds before the limit: checkpoint, then requeue
+    max_requeues: int = 20
+    container_image: str = ""  # pyxis/enroot image (sqsh file or registry path); empty: none
+    container_mounts: str = ""
+
+    def validate(self) -> "ClusterConfig":
+        if self.name not in ("local", "slurm"):
+            raise _err("cluster.name", self.name, "is unknown", "use local or slurm")
+        if self.name == "slurm":
+            if not self.partition:
+                raise _err("cluster.partition", self.partition, "cluster=slurm needs a partition",
+                           "set cluster.partition=<your partition>")
+            for key in ("nodes", "gpus_per_node", "time_min"):
+                if getattr(self, key) < 1:
+                    raise _err(f"cluster.{key}", getattr(self, key), "must be >= 1",
+                               "set a positive value")
+            if not 0 <= self.signal_s < self.time_min * 60:
+                raise _err("cluster.signal_s", self.signal_s, "must be within the time limit",
+                           "use a few minutes, e.g. 300")
+        return self
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -365,13 +404,15 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     seed: int = 1234
     run_dir: str = "."
 
     def validate(self) -> "JobConfig":
         """Each component's checks, then the combinations (the world size is checked by
         ``ParallelConfig.validate`` once it is known)."""
-        for part in (self.model, self.algo, self.rollout, self.replay, self.data, self.trainer):
+        for part in (self.model, self.algo, self.rollout, self.replay, self.data, self.trainer,
+                     self.cluster):
             part.validate()
         if self.replay.mode != "none" and not self.model.is_moe:
             raise _err("replay.mode", self.replay.mode, "routing replay needs an MoE model",
@@ -395,6 +436,30 @@ class JobConfig:
                 raise _err("model.vocab_size", self.model.vocab_size, "is smaller than the built-in "
                            f"tokenizer's {CharTokenizer().vocab_size} ids", "raise model.vocab_size")
         return self
+
+    def check_init_model(self) -> None:
+        """The model section must describe the checkpoint ``trainer.init_from`` holds."""
+        import json
+
+        path = self.trainer.init_from
+        if not path:
+            return
+        if os.path.isfile(os.path.join(path, "config.json")):
+            from megatron_gspo.hf_qwen3moe import model_config_from_hf
+
+            with open(os.path.join(path, "config.json")) as f:
+                saved = model_config_from_hf(json.load(f))
+        else:
+            from megatron_gspo.weights import read_model_config
+
+            saved = read_model_config(path)
+        skip = {"name", "params_dtype", "init_method_std", "aux_loss_coeff",
+                "max_position_embeddings"}
+        for f in dataclasses.fields(ModelConfig):
+            if f.name not in skip and getattr(saved, f.name) != getattr(self.model, f.name):
+                raise _err(f"model.{f.name}", getattr(self.model, f.name),
+                           f"trainer.init_from={path} holds {getattr(saved, f.name)!r}",
+                           f"set model.{f.name}={getattr(saved, f.name)!r}")
 
     def check_layout(self, dp: int) -> None:
         """Combinations that depend on the data-parallel size."""
@@ -426,6 +491,7 @@ def register_configs() -> None:
     cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
     cs.store(group="logging", name="logging_schema", node=LoggingConfig)
+    cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
 
 
 def to_dataclass(cls, node) -> Any:
@@ -445,12 +511,12 @@ def to_dataclass(cls, node) -> Any:
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "algo": AlgoConfig,
             "rollout": RolloutConfig, "replay": ReplayConfig, "data": DataConfig,
-            "trainer": TrainerConfig, "logging": LoggingConfig}
+            "trainer": TrainerConfig, "logging": LoggingConfig, "cluster": ClusterConfig}
 
 
 def job_from_dict(data: dict) -> JobConfig:
     """A validated JobConfig from plain data; unknown sections and keys are errors."""
-    known = set(SECTIONS) | {"seed", "run_dir", "cluster", "experiment"}
+    known = set(SECTIONS) | {"seed", "run_dir"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise _err(unknown[0], data[unknown[0]], "is not a config section",
@@ -464,7 +530,9 @@ def job_from_dict(data: dict) -> JobConfig:
         except TypeError as e:
             raise ConfigError(f"{name}: {e}") from None
     job = JobConfig(**parts, seed=int(data.get("seed", 1234)), run_dir=str(data.get("run_dir", ".")))
-    return job.validate()
+    job.validate()
+    job.check_init_model()
+    return job
 
 
 def job_from_omegaconf(node) -> JobConfig:

@@ -4,7 +4,9 @@ Exit codes of ``python -m megatron_gspo`` (the SLURM scripts in ``launch/`` read
 
 - ``0``  finished;
 - ``75`` (``REQUEUE_EXIT_CODE``, EX_TEMPFAIL) stopped by SIGTERM or SIGUSR2 after writing a
-  checkpoint at the step boundary: requeue the job and it resumes from that checkpoint;
+  checkpoint at the step boundary: requeue the job and it resumes from that checkpoint. The
+  trainer also writes ``RUN_DIR/REQUEUE`` (the checkpoint's path), since launchers such as
+  torchrun report a worker's failure with their own exit code;
 - ``2``  bad configuration (nothing ran);
 - ``3``  too many consecutive non-finite updates (the last good checkpoint is intact);
 - anything else: a crash.
@@ -22,6 +24,7 @@ REQUEUE_EXIT_CODE = 75
 CONFIG_EXIT_CODE = 2
 NONFINITE_EXIT_CODE = 3
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+REQUEUE_MARKER = "REQUEUE"
 
 
 class NonFiniteError(RuntimeError):
@@ -56,6 +59,13 @@ class StopSignals:
 
     def _handle(self, signum, _frame) -> None:
         self.received = signum
+
+    def chain(self) -> None:
+        """After the checkpoint: hand the signal to the handler that was installed before ours,
+        if it is a Python function (submitit's, which requeues the job itself)."""
+        previous = self._previous.get(self.received)
+        if callable(previous):
+            previous(self.received, None)
 
     def agreed(self) -> Optional[str]:
         """The signal's name if any rank has received one (a collective: every rank calls)."""

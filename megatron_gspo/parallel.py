@@ -97,12 +97,31 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def env_from_slurm(environ=None) -> dict:
+    """torchrun-style variables for a SLURM job step that runs one task per rank (srun or
+    Hydra's submitit launcher) and was not started by torchrun; empty when they are set already
+    or the step has a single task. The head node (first of the job's nodes) hosts the store."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env or int(env.get("SLURM_NTASKS", "1")) <= 1 or "SLURM_PROCID" not in env:
+        return {}
+    import subprocess
+
+    nodes = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]],
+                           capture_output=True, text=True, check=True).stdout.split()
+    return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"],
+            "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+            "LOCAL_WORLD_SIZE": env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0],
+            "MASTER_ADDR": nodes[0],
+            "MASTER_PORT": env.get("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 20000))}
+
+
 def init_parallel(cfg: ParallelConfig, model: ModelConfig, *, seed: Optional[int] = None
                   ) -> ParallelContext:
     """Initialise torch.distributed (torchrun env or a single process) and Megatron's groups.
 
     Raises ``ConfigError`` before creating any process group when the layout is invalid.
     """
+    os.environ.update(env_from_slurm())
     device = resolve_device(cfg)
     world_size = world_size_from_env()
     dp = cfg.validate(world_size, model, device_type=device.type)

@@ -73,6 +73,7 @@ def train(job: JobConfig) -> dict:
     try:
         if not resume(run):
             warm_up(run)  # held-out accuracy before, SFT, accuracy after SFT, checkpoint 0
+        sync_weights(run)  # the engine starts from the trainer's weights
         for step in range(run.step + 1, job.trainer.steps + 1):
             metrics = rl_step(run, step)
             if job.trainer.eval_interval and step % job.trainer.eval_interval == 0:
@@ -86,7 +87,7 @@ def train(job: JobConfig) -> dict:
             run.logger.log(step, metrics)
             run.logger.bar(step, _summary(metrics))
             if stop:
-                raise StopRequested(stop, path)
+                stop_for_requeue(run, stop, path)
         run.history["accuracy_after_rl"] = evaluate(run)
         run.logger.log(job.trainer.steps, {"eval/accuracy": run.history["accuracy_after_rl"]},
                        {"final": True})
@@ -435,6 +436,8 @@ def warm_up(run: Run) -> None:
     """A fresh run: held-out accuracy, the supervised warm-up, accuracy again, checkpoint 0."""
     t = run.job.trainer
     run.logger.truncate_after(-1)  # a fresh run: no rows of an earlier attempt in this directory
+    if t.init_from:
+        init_weights(run, t.init_from)
     run.history["accuracy_initial"] = evaluate(run)
     run.logger.say(f"held-out accuracy before training: {run.history['accuracy_initial']:.3f} "
                    f"({len(run.eval_records)} prompts)")
@@ -447,6 +450,19 @@ def warm_up(run: Run) -> None:
     if run.ref_model is not None:  # the reference policy is the model RL starts from
         run.ref_model.load_state_dict(run.gpt.state_dict())
     save(run, 0)
+
+
+def init_weights(run: Run, path: str) -> None:
+    """Starting weights from a HF Qwen3-MoE directory or a weights checkpoint (any layout)."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        from megatron_gspo.hf_qwen3moe import load_hf_weights
+
+        load_hf_weights(run.gpt, path, run.job.model, run.ctx)
+    else:
+        from megatron_gspo.weights import load_weights
+
+        load_weights(run.gpt, path)
+    run.logger.say(f"initial weights: {path}")
 
 
 def sft(run: Run) -> None:
@@ -520,8 +536,30 @@ def resume(run: Run) -> bool:
 
         load_weights(run.ref_model, os.path.join(run.job.run_dir, "reference"))
     run.logger.truncate_after(run.step)
+    _clear_requeue_marker(run)
     run.logger.say(f"resumed from {path} (step {run.step}, {run.updates} updates)")
     return True
+
+
+def stop_for_requeue(run: Run, signame: str, path: str) -> None:
+    """The checkpoint for a stop signal is written: leave the requeue marker, give the signal to
+    an earlier handler (a launcher's), else exit with the requeue code."""
+    from megatron_gspo.faults import REQUEUE_MARKER
+
+    if run.ctx.rank == 0:
+        with open(os.path.join(run.job.run_dir, REQUEUE_MARKER), "w") as f:
+            f.write(f"{signame} {path}\n")
+    run.logger.close()
+    run.signals.chain()
+    raise StopRequested(signame, path)
+
+
+def _clear_requeue_marker(run: Run) -> None:
+    from megatron_gspo.faults import REQUEUE_MARKER
+
+    marker = os.path.join(run.job.run_dir, REQUEUE_MARKER)
+    if run.ctx.rank == 0 and os.path.exists(marker):
+        os.remove(marker)
 
 
 def report(run: Run) -> None:

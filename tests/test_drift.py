@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+from tests.trainer_workers import SHORT, merge, to_overrides
+
 from moe.drift import load_metrics, expert_counts, topk_agreement
 from moe.records import (RoutingRecord, RoutingRecordError, index_dtype, local_moe_layers,
                          packed_routes, padded_routes, rank_targets, routes_from_rank)
@@ -85,15 +87,18 @@ def test_slicing_padding_packing_sequence_parallel_and_stages():
     assert local_moe_layers([0, 1, 1, 1], pp=2, pp_rank=1) == [1, 2]
 
 
+SHORT_RUN = to_overrides(merge(SHORT, {"model": {"num_layers": 4}, "trainer": {"save_interval": 0}}))
+
+
 def test_report_from_a_real_run(tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-m", "megatron_gspo", "demo.steps=3",
+    run = subprocess.run([sys.executable, "-m", "megatron_gspo", *SHORT_RUN,
                           f"hydra.run.dir={tmp_path / 'run_a'}"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "run_a" / "drift_report.html").is_file()
     rows = [json.loads(x) for x in open(tmp_path / "run_a" / "drift.jsonl")]
-    assert {r["kind"] for r in rows} == {"update", "load"}
+    assert {r["kind"] for r in rows} == {"update", "rollout_train", "load"}
     assert sorted({r["layer"] for r in rows if r["kind"] == "update"}, key=str) == \
         [0, 1, 2, 3, "mean"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

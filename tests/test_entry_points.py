@@ -8,6 +8,8 @@ import sys
 import torch
 from safetensors.torch import load_file
 
+from tests.trainer_workers import SHORT, merge, to_overrides
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -38,28 +40,35 @@ def test_invalid_layout_fails_with_one_line(tmp_path):
                      "launch a multiple of tp*pp*cp ranks or shrink the layout"]
 
 
-def test_demo_run_trains_and_saves_weights(tmp_path):
-    out = run("demo.steps=3", f"hydra.run.dir={tmp_path}")
+SHORT_RUN = to_overrides(merge(SHORT, {"trainer": {"steps": 2}}))
+
+
+def test_main_job_trains_and_checkpoints(tmp_path):
+    out = run(*SHORT_RUN, f"hydra.run.dir={tmp_path}")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "step 3/3" in out.stdout
-    assert os.path.isfile(tmp_path / "weights" / "model_config.json")
+    assert "held-out accuracy before RL" in out.stdout and "after 2 RL steps" in out.stdout
+    assert "] 2/2 reward" in out.stdout  # the progress line
+    assert os.path.isfile(tmp_path / "checkpoints" / "step_000002" / "MANIFEST.json")
     assert os.path.isfile(tmp_path / ".hydra" / "config.yaml")
+    assert os.path.isfile(tmp_path / "resolved_config.json")
 
 
 def test_multirun_sweep_gives_each_run_its_own_directory(tmp_path):
-    out = run("-m", "demo.steps=1", "seed=1,2", f"hydra.sweep.dir={tmp_path}", timeout=400)
+    short = to_overrides(merge(SHORT, {"trainer": {"steps": 1, "sft_steps": 0},
+                                       "logging": {"drift": False}}))
+    out = run("-m", *short, "seed=1,2", f"hydra.sweep.dir={tmp_path}", timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
     for sub in ("0", "1"):
-        assert os.path.isfile(tmp_path / sub / "weights" / "model_config.json")
+        assert os.path.isfile(tmp_path / sub / "checkpoints" / "step_000001" / "MANIFEST.json")
 
 
 def test_torchrun_expert_parallel(tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2", "-m"]
-    out = run("parallel=ep2", "demo.steps=2", f"hydra.run.dir={tmp_path}", launcher=launcher)
+    out = run("parallel=ep2", *SHORT_RUN, f"hydra.run.dir={tmp_path}", launcher=launcher)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "world=2 tp=1 pp=1 ep=2" in out.stdout
-    assert "step 2/2" in out.stdout
+    assert "] 2/2 reward" in out.stdout
 
 
 def test_convert_hf_round_trip_through_dist_checkpoint(tiny_hf_checkpoint, tmp_path):

@@ -1,0 +1,234 @@
+"""Wall time of one GSPO RL step on CPU: our trainer against TRL's GRPOTrainer (GSPO mode).
+
+One RL step = one rollout batch of P prompts x G completions (at most M new tokens each, sampled at
+temperature 1), its exact-match rewards, the old policy's log-probs, and K optimizer updates of
+P*G/K completions each (Adam, lr 1e-3, grad clip 1.0). Both stacks train the same model shape from
+scratch on the same synthetic "reverse" prompts ("rev:abc=" -> "cba") with the same character
+tokenizer (<pad>, <bos>, <eos>, then 96 printable characters, vocabulary padded to 128):
+
+- ours: ``python -m megatron_gspo`` (Megatron-core tiny_moe: hidden 128, 4 layers, 4 heads, 2 KV
+        groups, head_dim 32, 8 experts top-2 of width 64, untied embeddings, fp32), timed by its own
+        ``perf/step_time_s`` rows in metrics.jsonl
+- trl:  ``trl.GRPOTrainer`` with ``importance_sampling_level="sequence"`` on a transformers
+        ``Qwen3MoeForCausalLM`` of the same shape, fp32, ``use_cpu=True``, no vLLM, no gradient
+        checkpointing; one RL step = ``steps_per_generation=K`` optimizer steps, timed between
+        ``on_step_end`` callbacks
+
+Each stack runs in its own process with the same thread count. The first RL step (thread pools,
+allocator and kernel warm-up) is dropped; the table shows the median of the rest. Generated tokens/s
+is the sampled completion tokens of a step over its time (completions end early at <eos>, so both
+columns also show the mean completion length).
+
+    python benchmarks/rl_step_vs_trl.py                    # 8 RL steps, 16 prompts x 8, 8 new tokens
+    python benchmarks/rl_step_vs_trl.py --quick            # 4 RL steps
+    python benchmarks/rl_step_vs_trl.py --threads 4 --max-new-tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import string
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+PATHS = ("ours", "trl")
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+CHARS = string.printable[:95] + "\n"  # the order of megatron_gspo.data.tokenizer.CharTokenizer
+VOCAB = 128
+
+
+def thread_env(threads: int) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return env
+
+
+def run_ours(args) -> dict:
+    run_dir = tempfile.mkdtemp(prefix="rl_step_ours_")
+    overrides = [
+        f"trainer.steps={args.steps}", "trainer.sft_steps=0", "trainer.save_interval=0",
+        "trainer.eval_interval=0", "data.eval_size=0", "logging.progress=false",
+        "logging.drift=false", f"rollout.prompts_per_step={args.prompts}",
+        f"rollout.group_size={args.group_size}", f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"algo.minibatches={args.minibatches}", f"trainer.micro_batch_size={args.micro_batch_size}",
+        f"seed={args.seed}", f"hydra.run.dir={run_dir}",
+    ]
+    cmd = [sys.executable, "-m", "megatron_gspo", *overrides]
+    out = subprocess.run(cmd, cwd=REPO, env=thread_env(args.threads), capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"our trainer failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps = [r for r in rows if "perf/step_time_s" in r]
+    batch = args.prompts * args.group_size
+    return {"step_times": [r["perf/step_time_s"] for r in steps],
+            "gen_tokens": [r["rollout/response_length"] * batch for r in steps],
+            "run_dir": run_dir}
+
+
+def char_tokenizer():
+    """A fast HF tokenizer with the same ids as our CharTokenizer: one token per character, <bos>
+    prepended to a prompt (as our trainer does), decoding without separators."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    # Ids past the 99 symbols exist only so that every id the 128-way head samples decodes (to a
+    # name that never matches an answer, as our tokenizer's U+FFFD).
+    names = list(SPECIALS) + list(CHARS)
+    names += [f"<unused{i}>" for i in range(VOCAB - len(names))]
+    tok = Tokenizer(models.WordLevel({s: i for i, s in enumerate(names)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A",
+                                                       special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>", unk_token="<pad>")
+
+
+def run_trl(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from datasets import Dataset
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from megatron_gspo.data.synthetic import make_task
+
+    torch.manual_seed(args.seed)
+    tokenizer = char_tokenizer()
+    assert tokenizer("rev:ab=")["input_ids"] == [1] + [3 + CHARS.index(c) for c in "rev:ab="]
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[],
+        decoder_sparse_step=1, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
+        max_position_embeddings=2048, initializer_range=0.02,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = Qwen3MoeForCausalLM(config).float()
+    records = make_task("reverse", 2000, seed=args.seed)
+    dataset = Dataset.from_list([{"prompt": r.prompt, "answer": r.answer} for r in records])
+
+    gen_tokens = []
+
+    def exact_match(completions, answer, completion_ids, **_):
+        # TRL calls this once per generation batch, so it also counts the step's sampled tokens.
+        gen_tokens.append(sum(len(ids) for ids in completion_ids))
+        return [1.0 if c.strip() == a.strip() else 0.0 for c, a in zip(completions, answer)]
+
+    boundaries = []
+
+    class RLStepClock(TrainerCallback):
+        def on_train_begin(self, targs, state, control, **kw):
+            boundaries.append(time.perf_counter())
+
+        def on_step_end(self, targs, state, control, **kw):
+            # K optimizer steps consume one generation batch: that is one RL step.
+            if state.global_step % args.minibatches == 0:
+                boundaries.append(time.perf_counter())
+
+    batch = args.prompts * args.group_size
+    cfg = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="rl_step_trl_"), report_to="none", use_cpu=True,
+        bf16=False, fp16=False, gradient_checkpointing=False, seed=args.seed,
+        max_steps=args.steps * args.minibatches, learning_rate=1e-3, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
+        # K updates per rollout batch: the generation batch of P*G completions is cut into K
+        # optimizer steps of P*G/K, with no gradient accumulation inside one update.
+        per_device_train_batch_size=batch // args.minibatches, gradient_accumulation_steps=1,
+        steps_per_generation=args.minibatches, num_iterations=1, num_generations=args.group_size,
+        max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+        importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4,
+        beta=0.0, use_vllm=False, logging_strategy="no", save_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=0, log_completions=False)
+    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=cfg, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[RLStepClock()])
+    trainer.train()
+    times = [b - a for a, b in zip(boundaries, boundaries[1:])]
+    return {"step_times": times, "gen_tokens": gen_tokens[:len(times)],
+            "attn": model.config._attn_implementation,
+            "experts": getattr(model.config, "_experts_implementation", None)}
+
+
+def summarize(r: dict) -> dict:
+    times, tokens = r["step_times"][1:], r["gen_tokens"][1:]  # drop the warm-up step
+    median = statistics.median(times)
+    return {"median_s": median, "steps_timed": len(times), "first_s": r["step_times"][0],
+            "tok_per_s": statistics.median(t / s for t, s in zip(tokens, times)),
+            "mean_len": sum(tokens) / len(tokens)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=8, help="RL steps per stack (the first is warm-up)")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per RL step")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--minibatches", type=int, default=4, help="optimizer updates per RL step")
+    p.add_argument("--micro-batch-size", type=int, default=32, help="ours: rows per micro-batch")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--quick", action="store_true", help="4 RL steps")
+    p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument("--path", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.quick:
+        args.steps = 4
+    if args.path == "trl":
+        print(json.dumps(run_trl(args)))
+        return
+    if args.steps < 2:
+        p.error("--steps must be >= 2 (the first RL step is warm-up)")
+    if (args.prompts * args.group_size) % args.minibatches:
+        p.error("prompts x group size must divide into --minibatches updates")
+
+    results, extra = {}, {}
+    for path in args.paths.split(","):
+        t0 = time.perf_counter()
+        if path == "ours":
+            raw = run_ours(args)
+        else:
+            cmd = [sys.executable, os.path.abspath(__file__), "--path", "trl"]
+            for key in ("steps", "prompts", "group_size", "max_new_tokens", "minibatches",
+                        "micro_batch_size", "threads", "seed"):
+                cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+            out = subprocess.run(cmd, cwd=REPO, env=thread_env(args.threads), capture_output=True,
+                                 text=True)
+            if out.returncode:
+                raise RuntimeError(f"TRL run failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
+            raw = json.loads(out.stdout.strip().splitlines()[-1])
+        extra[path] = {k: v for k, v in raw.items() if k not in ("step_times", "gen_tokens")}
+        results[path] = summarize(raw)
+        results[path]["wall_s"] = time.perf_counter() - t0
+
+    batch = args.prompts * args.group_size
+    print(f"GSPO RL step, fp32 CPU, {args.threads} threads ({os.cpu_count()} cores): "
+          f"{args.prompts} prompts x {args.group_size} = {batch} completions, <= "
+          f"{args.max_new_tokens} new tokens, {args.minibatches} updates of "
+          f"{batch // args.minibatches}/step (ours: micro-batch {args.micro_batch_size}), "
+          f"{args.steps} RL steps (first = warm-up)")
+    print("model: Qwen3-MoE shape, vocab 128, hidden 128, 4 layers, 4 heads / 2 KV, head_dim 32, "
+          "8 experts top-2 (width 64), untied; task reverse, exact-match reward")
+    if "trl" in extra:
+        print(f"trl: attention {extra['trl'].get('attn')}, experts {extra['trl'].get('experts')}")
+    base = results.get("trl")
+    print(f"{'path':5s} {'median s/step':>13s} {'x trl':>7s} {'first s':>8s} {'gen tok/s':>10s} "
+          f"{'mean len':>9s} {'steps':>6s} {'wall s':>7s}")
+    for path, r in results.items():
+        ratio = f"{r['median_s'] / base['median_s']:7.2f}" if base else f"{'-':>7s}"
+        print(f"{path:5s} {r['median_s']:13.3f} {ratio} {r['first_s']:8.2f} {r['tok_per_s']:10.0f} "
+              f"{r['mean_len'] / batch:9.2f} {r['steps_timed']:6d} {r['wall_s']:7.1f}")
+    if base and "ours" in results:
+        print(f"ours is {base['median_s'] / results['ours']['median_s']:.2f}x faster per RL step "
+              f"than TRL (ratio < 1.00 in 'x trl' = faster)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One node of a training job (an srun task of launch/train.sbatch): optionally a colocated SGLang
+# server, then torchrun with the rendezvous at the head node. Exits 75 when the trainer stopped
+# for a requeue (its REQUEUE marker is newer than this start), otherwise with torchrun's code.
+#   node.sh HEAD_NODE [hydra overrides...]
+set -uo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+HEAD="$1"; shift
+REQUEUE_EXIT_CODE=75
+RDZV_PORT="${MG_RDZV_PORT:-29500}"
+RUN_DIR="${MG_RUN_DIR:?set by launch/submit.sh}"
+
+run() {
+  if [[ -n "${MG_DRY_RUN:-}" ]]; then printf '+'; printf ' %q' "$@"; printf '\n'; else "$@"; fi
+}
+
+if [[ "${MG_SGLANG:-none}" == colocated ]]; then
+  if [[ -n "${MG_DRY_RUN:-}" ]]; then
+    run bash "$HERE/sglang_server.sh"
+  else
+    bash "$HERE/sglang_server.sh" &
+  fi
+fi
+STAMP="$RUN_DIR/.node_start_${SLURM_NODEID:-0}"
+if [[ -z "${MG_DRY_RUN:-}" ]]; then mkdir -p "$RUN_DIR" && touch "$STAMP"; fi
+# torchrun must outlive the signal: SIGUSR2 is ignored by it (and inherited as ignored by the
+# ranks, which install their own handler); node.sh hands it to the ranks below.
+trap '' USR2
+run torchrun --nnodes="${SLURM_NNODES:-1}" --node-rank="${SLURM_NODEID:-0}" \
+  --nproc-per-node="${MG_GPUS_PER_NODE:-8}" --rdzv-backend=c10d \
+  --rdzv-endpoint="$HEAD:$RDZV_PORT" --rdzv-id="${SLURM_JOB_ID:-local}" \
+  -m megatron_gspo "hydra.run.dir=$RUN_DIR" "$@" &
+TRAINER=$!
+trap 'pkill -USR2 -P "$TRAINER" 2>/dev/null' USR2
+trap 'pkill -TERM -P "$TRAINER" 2>/dev/null' TERM
+[[ -z "${MG_DRY_RUN:-}" ]] || exit 0
+code=0
+while true; do
+  wait "$TRAINER"; code=$?
+  kill -0 "$TRAINER" 2>/dev/null || break
+done
+if [[ -f "$RUN_DIR/REQUEUE" && "$RUN_DIR/REQUEUE" -nt "$STAMP" ]]; then
+  exit "$REQUEUE_EXIT_CODE"
+fi
+exit "$code"

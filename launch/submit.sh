@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Submit a multi-node training job to SLURM (launch/train.sbatch), or print what would run.
+#
+#   launch/submit.sh [options] [--] [hydra overrides...]
+#
+# Options:
+#   --nodes N             nodes in total (default 1)
+#   --gpus-per-node G     GPUs (= trainer ranks) per node (default 8)
+#   --partition P         SLURM partition (required unless --dry-run)
+#   --account A           SLURM account
+#   --time HH:MM:SS       time limit (default 04:00:00)
+#   --signal-s S          SIGUSR2 this many seconds before the limit (default 300)
+#   --container-image I   run inside a pyxis/enroot container (sqsh file or registry path)
+#   --container-mounts M  pyxis mounts (src:dst[,src:dst...])
+#   --sglang MODE         none (default: the trainer's local engine) | colocated (a server on every
+#                         training node) | separate (servers on their own nodes)
+#   --sglang-nodes K      nodes reserved for SGLang servers with --sglang separate
+#   --sglang-tp T         tensor parallel size of each server (default: GPUs per node)
+#   --model-path PATH     HF checkpoint the SGLang servers start from
+#   --run-dir DIR         run directory, fixed across requeues so that the job resumes
+#                         (default runs/slurm/<timestamp>)
+#   --dry-run             print the sbatch command and every command the job would run
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+NODES=1 GPUS=8 PARTITION="" ACCOUNT="" TIME="04:00:00" SIGNAL_S=300
+IMAGE="" MOUNTS="" SGLANG="none" SGLANG_NODES=0 SGLANG_TP="" MODEL_PATH="" RUN_DIR="" DRY_RUN=""
+
+die() { echo "submit.sh: $*" >&2; exit 2; }
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --nodes) NODES="$2"; shift 2 ;;
+    --gpus-per-node) GPUS="$2"; shift 2 ;;
+    --partition) PARTITION="$2"; shift 2 ;;
+    --account) ACCOUNT="$2"; shift 2 ;;
+    --time) TIME="$2"; shift 2 ;;
+    --signal-s) SIGNAL_S="$2"; shift 2 ;;
+    --container-image) IMAGE="$2"; shift 2 ;;
+    --container-mounts) MOUNTS="$2"; shift 2 ;;
+    --sglang) SGLANG="$2"; shift 2 ;;
+    --sglang-nodes) SGLANG_NODES="$2"; shift 2 ;;
+    --sglang-tp) SGLANG_TP="$2"; shift 2 ;;
+    --model-path) MODEL_PATH="$2"; shift 2 ;;
+    --run-dir) RUN_DIR="$2"; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    --) shift; break ;;
+    -*) die "unknown option $1 (see the header of launch/submit.sh)" ;;
+    *) break ;;
+  esac
+done
+
+[[ "$NODES" =~ ^[1-9][0-9]*$ ]] || die "--nodes $NODES: need a positive integer"
+[[ "$GPUS" =~ ^[1-9][0-9]*$ ]] || die "--gpus-per-node $GPUS: need a positive integer"
+case "$SGLANG" in
+  none|colocated) SGLANG_NODES=0 ;;
+  separate) [[ "$SGLANG_NODES" -ge 1 && "$SGLANG_NODES" -lt "$NODES" ]] \
+      || die "--sglang separate needs 1 <= --sglang-nodes < --nodes" ;;
+  *) die "--sglang $SGLANG: use none, colocated or separate" ;;
+esac
+if [[ "$SGLANG" != none && -z "$MODEL_PATH" ]]; then die "--sglang $SGLANG needs --model-path"; fi
+if [[ -z "$DRY_RUN" && -z "$PARTITION" ]]; then die "--partition is required"; fi
+RUN_DIR="${RUN_DIR:-runs/slurm/$(date +%Y-%m-%d_%H-%M-%S)}"
+LOG_DIR="$RUN_DIR/logs"
+
+export MG_GPUS_PER_NODE="$GPUS" MG_TRAIN_NODES=$((NODES - SGLANG_NODES)) MG_SGLANG="$SGLANG"
+export MG_SGLANG_NODES="$SGLANG_NODES" MG_SGLANG_TP="${SGLANG_TP:-$GPUS}" MG_MODEL_PATH="$MODEL_PATH"
+export MG_CONTAINER_IMAGE="$IMAGE" MG_CONTAINER_MOUNTS="$MOUNTS" MG_RUN_DIR="$RUN_DIR"
+export MG_LOG_DIR="$LOG_DIR" MG_DRY_RUN="$DRY_RUN"
+
+SBATCH=(sbatch --nodes="$NODES" --time="$TIME" --signal="B:USR2@$SIGNAL_S" --requeue
+        --job-name=megatron-gspo --output="$LOG_DIR/sbatch_%j.out" --export=ALL)
+[[ -n "$PARTITION" ]] && SBATCH+=(--partition="$PARTITION")
+[[ -n "$ACCOUNT" ]] && SBATCH+=(--account="$ACCOUNT")
+SBATCH+=("$HERE/train.sbatch" "$@")
+
+# The config must validate for the world size before anything is queued (server URLs are only
+# known inside the job: a placeholder stands for them here).
+PLAN=("$@")
+[[ "$SGLANG" == none ]] || PLAN+=("rollout=sglang" "rollout.sglang_urls=[http://planned:30000]")
+(cd "$HERE/.." && python -m tools.plan_layout --world-size $(((NODES - SGLANG_NODES) * GPUS)) \
+  "${PLAN[@]}") || die "the config does not validate for $((NODES - SGLANG_NODES)) x $GPUS ranks"
+
+if [[ -n "$DRY_RUN" ]]; then
+  printf '+'; printf ' %q' "${SBATCH[@]}"; printf '\n'
+  # What the batch script would run on the head node of a job on nodes node001..nodeN.
+  SLURM_JOB_ID="${SLURM_JOB_ID:-12345}" SLURM_JOB_NODELIST="${SLURM_JOB_NODELIST:-node[001-$(printf '%03d' "$NODES")]}" \
+    SLURM_NNODES="$NODES" bash "$HERE/train.sbatch" "$@"
+  exit 0
+fi
+mkdir -p "$LOG_DIR"
+"${SBATCH[@]}"

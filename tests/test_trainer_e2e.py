@@ -1,0 +1,125 @@
+"""The RL trainer end to end on CPU: every algorithm and replay mode for three steps, the documented
+TensorBoard tags, on-policy first mini-batches, and the same run on 1 rank and on EP=2."""
+
+import math
+import os
+
+import pytest
+
+from megatron_gspo.metrics import __doc__ as METRICS_DOC
+from tests.distributed import run_ranks
+from tests.trainer_workers import SHORT, merge, train_job
+
+ARMS = {
+    "gspo": {"algo": {"name": "gspo"}},
+    "gspo_token": {"algo": {"name": "gspo_token"}},
+    "grpo": {"algo": {"name": "grpo"}},
+    "grpo_r2": {"algo": {"name": "grpo"}, "replay": {"mode": "r2"}},
+    "grpo_r3": {"algo": {"name": "grpo"}, "replay": {"mode": "r3"}},
+}
+
+REQUIRED_TAGS = ["train/loss", "train/clip_fraction", "train/ratio_mean", "train/ratio_min",
+                 "train/ratio_max", "train/grad_norm", "train/lr", "train/entropy", "train/kl",
+                 "train/skipped_updates", "rollout/reward_mean", "rollout/reward_std",
+                 "rollout/response_length", "rollout/truncated_fraction",
+                 "rollout/informative_fraction", "rollout/logprob_mismatch", "perf/step_time_s",
+                 "perf/tokens_per_s", "eval/accuracy", "moe/drift/update/mean",
+                 "moe/drift/update/jaccard_mean", "moe/drift/update/tokens_changed",
+                 "moe/drift/rollout_train/mean", "moe/load/max_share"]
+
+
+def tensorboard_tags(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(os.path.join(run_dir, "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.fixture(scope="module")
+def arms(tmp_path_factory):
+    out = {}
+    for name, over in ARMS.items():
+        run_dir = str(tmp_path_factory.mktemp(name))
+        cfg = merge(SHORT, {**over, "run_dir": run_dir, "seed": 5})
+        out[name] = (run_dir, run_ranks(train_job, 1, cfg)[0])
+    return out
+
+
+@pytest.mark.parametrize("name", list(ARMS))
+def test_three_steps_log_every_documented_tag(arms, name):
+    run_dir, result = arms[name]
+    tags = tensorboard_tags(run_dir)
+    for tag in REQUIRED_TAGS:
+        assert tag in tags, f"{name}: {tag} missing"
+        assert tag in METRICS_DOC or tag.startswith("moe/"), f"{tag} undocumented"
+    assert tags["train/loss"] == [1, 2, 3]
+    assert any(t.startswith("moe/drift/update/layer_") for t in tags)
+    rows = [r for r in result["rows"] if "train/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        for tag in REQUIRED_TAGS:
+            if tag != "eval/accuracy":
+                assert tag in r and math.isfinite(r[tag]), (name, tag)
+    assert os.path.isfile(os.path.join(run_dir, "drift_report.html"))
+    assert os.path.isfile(os.path.join(run_dir, "resolved_config.json"))
+    assert os.path.isfile(os.path.join(run_dir, "checkpoints", "step_000003", "MANIFEST.json"))
+
+
+@pytest.mark.parametrize("name", list(ARMS))
+def test_first_minibatch_is_on_policy(arms, name):
+    _, result = arms[name]
+    for r in result["rows"]:
+        if "minibatch/ratio_mean" not in r:
+            continue
+        ratios, clips = r["minibatch/ratio_mean"], r["minibatch/clip_fraction"]
+        assert len(ratios) == 4
+        assert ratios[0] == 1.0 and clips[0] == 0.0, (name, r["step"], ratios, clips)
+        # later mini-batches are off-policy: the policy moved
+        assert any(x != 1.0 for x in ratios[1:]), (name, r["step"], ratios)
+
+
+def test_expert_parallel_run_matches_one_rank(tmp_path):
+    """`torchrun --nproc-per-node 2 ... parallel.ep=2` computes the same run as one rank."""
+    cfg = merge(SHORT, {"trainer": {"steps": 2, "save_interval": 0}, "seed": 11})
+    one = run_ranks(train_job, 1, {**cfg, "run_dir": str(tmp_path / "one")})[0]
+    two = run_ranks(train_job, 2, merge(cfg, {"parallel": {"ep": 2},
+                                              "run_dir": str(tmp_path / "two")}))[0]
+    rows1 = [r for r in one["rows"] if "train/loss" in r]
+    rows2 = [r for r in two["rows"] if "train/loss" in r]
+    assert len(rows1) == len(rows2) == 2
+    for a, b in zip(rows1, rows2):
+        assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
+        assert a["rollout/response_length"] == b["rollout/response_length"]
+        for key in ("train/loss", "train/ratio_mean", "train/entropy", "train/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert one["history"]["accuracy_after_rl"] == two["history"]["accuracy_after_rl"]
+
+
+def test_sglang_engine_with_r3_routes(tiny_hf_checkpoint, tmp_path):
+    """engine=sglang against a server speaking SGLang's HTTP protocol: rollouts, routes for R3,
+    weight sync from disk after every step, evaluation through the server."""
+    import dataclasses
+
+    from tests import sglang_standin
+    from tests.model_workers import tiny_model_config
+
+    url, server = sglang_standin.start(tiny_hf_checkpoint)
+    try:
+        cfg = merge(SHORT, {
+            "model": dataclasses.asdict(tiny_model_config(tiny_hf_checkpoint)),
+            "rollout": {"engine": "sglang", "sglang_urls": [url], "return_routes": True},
+            "replay": {"mode": "r3"}, "run_dir": str(tmp_path), "seed": 2,
+            "trainer": {"init_from": tiny_hf_checkpoint, "steps": 2, "sft_steps": 0}})
+        result = run_ranks(train_job, 1, cfg)[0]
+    finally:
+        server.terminate()
+        server.join(10)
+    rows = [r for r in result["rows"] if "train/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["minibatch/ratio_mean"][0] == 1.0 and r["minibatch/clip_fraction"][0] == 0.0
+        # the server generates with the weights the trainer pushed: same log-probs and routes
+        assert r["rollout/logprob_mismatch"] < 1e-4
+        assert r["moe/drift/rollout_train/mean"] < 0.05
+    assert os.path.isdir(tmp_path / "weight_sync")

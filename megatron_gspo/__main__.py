@@ -2,6 +2,7 @@
 ``megatron_gspo.faults``."""
 
 import logging
+import os
 import sys
 import warnings
 
@@ -11,6 +12,22 @@ from omegaconf import DictConfig
 from megatron_gspo.config import ConfigError, job_from_omegaconf, register_configs
 
 register_configs()
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def check_group_choices(argv: list[str], conf_dir: str = CONF_DIR) -> None:
+    """One line naming an unknown group option and the valid ones (before Hydra's longer error).
+    Sweeps (``algo=gspo,grpo``) check every choice."""
+    for arg in argv:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        group_dir = os.path.join(conf_dir, key)
+        if not sep or "." in key or "/" in key or not os.path.isdir(group_dir):
+            continue
+        valid = sorted(f[:-5] for f in os.listdir(group_dir) if f.endswith(".yaml"))
+        for choice in value.split(","):
+            if choice and choice not in valid:
+                raise ConfigError(f"{key}={choice!r}: no such option in conf/{key}/; fix: use one "
+                                  f"of {', '.join(valid)}")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -42,5 +59,14 @@ def main(cfg: DictConfig) -> None:
             pass
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    try:
+        check_group_choices(sys.argv[1:])
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    entry()

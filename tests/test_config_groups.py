@@ -1,0 +1,196 @@
+"""The Hydra config tree: every option of every group composes (alone and in pairs with every
+option of the other groups), and invalid values or combinations fail before any work starts with
+one line naming the key and the fix."""
+
+import itertools
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from megatron_gspo.__main__ import check_group_choices
+from megatron_gspo.config import ConfigError, job_from_dict, register_configs
+
+CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+GROUPS = ["model", "parallel", "algo", "rollout", "replay", "data", "trainer", "logging", "cluster"]
+# Options that need values only the user has (servers, files, a partition), filled in for checks.
+FILL = {"rollout=sglang": ["rollout.sglang_urls=[http://127.0.0.1:30000]"],
+        "data=files": ["data.files=[prompts.jsonl]"],
+        "cluster=slurm": ["cluster.partition=gpu"]}
+
+
+def options(group):
+    return sorted(f[:-5] for f in os.listdir(os.path.join(CONF, group)) if f.endswith(".yaml"))
+
+
+@pytest.fixture(scope="module")
+def composer():
+    register_configs()
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        def make(overrides):
+            cfg = compose("config", overrides=[*overrides, "run_dir=."])
+            data = OmegaConf.to_container(cfg, resolve=False)
+            data.pop("hydra", None)
+            return data
+        yield make
+
+
+def fill(overrides):
+    out = list(overrides)
+    for o in overrides:
+        out += FILL.get(o, [])
+    return out
+
+
+def validate(data):
+    """What the trainer checks before it starts (files are only opened later)."""
+    return job_from_dict(data)
+
+
+def test_every_group_has_options_and_a_schema():
+    for group in GROUPS:
+        assert options(group), group
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_each_option_composes_and_validates(composer, group):
+    for option in options(group):
+        data = composer(fill([f"{group}={option}"]))
+        job = validate(data)
+        assert job is not None
+
+
+def pairwise_configs():
+    """Few configurations that together hold every pair of options of two different groups
+    (a greedy covering array): every option of every group meets every option of the others."""
+    uncovered = {((g1, o1), (g2, o2)) for g1, g2 in itertools.combinations(GROUPS, 2)
+                 for o1 in options(g1) for o2 in options(g2)}
+    configs = []
+    while uncovered:
+        (g1, o1), (g2, o2) = min(uncovered)
+        chosen = {g1: o1, g2: o2}
+        for g in GROUPS:
+            if g in chosen:
+                continue
+            def gain(o):
+                return sum(((a, chosen[a]), (g, o)) in uncovered or ((g, o), (a, chosen[a]))
+                           in uncovered for a in chosen)
+            chosen[g] = max(options(g), key=gain)
+        uncovered -= {((a, chosen[a]), (b, chosen[b])) for a, b in itertools.combinations(GROUPS, 2)}
+        configs.append(chosen)
+    return configs
+
+
+def test_every_pair_of_group_options_composes(composer):
+    configs = pairwise_configs()
+    assert len(configs) < 60
+    for chosen in configs:
+        data = composer(fill([f"{g}={o}" for g, o in chosen.items()]))
+        for g, o in chosen.items():  # each group's file was applied
+            if g in ("algo", "replay", "rollout", "cluster"):
+                assert data[g].get("name", data[g].get("mode", data[g].get("engine"))) == o.split("_")[0] \
+                    or g == "algo", (g, o)
+        try:
+            validate(data)
+        except ConfigError as e:  # a combination the checks reject must say which key
+            assert str(e).split("=")[0].split(".")[0] in GROUPS, str(e)
+
+
+def test_arms_and_experiments_compose(composer):
+    for arm in options("arm"):
+        job = validate(composer([f"+arm={arm}"]))
+        assert (job.algo.name, job.replay.mode) == {"gspo": ("gspo", "none"), "grpo": ("grpo", "none"),
+                                                    "grpo_r2": ("grpo", "r2"),
+                                                    "grpo_r3": ("grpo", "r3")}[arm]
+    tiny = validate(composer(["+experiment=paper_tiny", "+arm=grpo_r2"]))
+    assert tiny.model.name == "tiny_moe" and tiny.replay.mode == "r2"
+    big = validate(composer(fill(["+experiment=qwen3_30b_a3b", "+arm=gspo", "data=files",
+                                  "rollout=sglang", "cluster.partition=gpu"])))
+    assert big.model.name == "qwen3_30b_a3b" and big.rollout.engine == "sglang"
+    assert (big.parallel.tp, big.parallel.ep, big.algo.minibatches) == (2, 8, 4)
+    assert (big.algo.clip_low, big.algo.clip_high) == (3e-4, 4e-4)
+    assert big.parallel.validate(32, big.model, device_type="cuda") == 16
+
+
+INVALID = [  # (overrides, key the message must name)
+    (["algo.name=ppo"], "algo.name"),
+    (["algo.minibatches=0"], "algo.minibatches"),
+    (["algo.minibatches=3"], "algo.minibatches"),  # does not divide 16 x 8 responses
+    (["algo.aggregation=token_mean"], "algo.aggregation"),  # changes GSPO's objective
+    (["algo.aggregation=sum"], "algo.aggregation"),
+    (["algo.clip_low=1.5"], "algo.clip_low"),
+    (["algo.dual_clip=3.0"], "algo.dual_clip"),  # GRPO only
+    (["algo=grpo", "algo.dual_clip=0.5"], "algo.dual_clip"),
+    (["algo.old_logprobs=cached"], "algo.old_logprobs"),
+    (["algo.kl_coef=-0.1"], "algo.kl_coef"),
+    (["replay.mode=r4"], "replay.mode"),
+    (["replay=r3", "rollout=sglang", "rollout.return_routes=false",
+      "rollout.sglang_urls=[http://h:1]"], "replay.mode"),  # engine without routes
+    (["replay=r2", "algo.old_logprobs=engine"], "algo.old_logprobs"),
+    (["replay=r2", "model.num_experts=0"], "replay.mode"),  # replay on a dense model
+    (["rollout.engine=vllm"], "rollout.engine"),
+    (["rollout.group_size=1"], "rollout.group_size"),
+    (["rollout.temperature=0"], "rollout.temperature"),
+    (["rollout.top_p=1.5"], "rollout.top_p"),
+    (["rollout=sglang"], "rollout.sglang_urls"),  # no servers
+    (["rollout.weight_sync=nfs"], "rollout.weight_sync"),
+    (["data.task=sort"], "data.task"),
+    (["data=files"], "data.files"),
+    (["data.reward=bleu"], "data.reward"),
+    (["trainer.steps=0"], "trainer.steps"),
+    (["trainer.lr=0"], "trainer.lr"),
+    (["trainer.lr_schedule=linear"], "trainer.lr_schedule"),
+    (["trainer.init_from=/no/such/dir"], "trainer.init_from"),
+    (["trainer.clip_grad=-1"], "trainer.clip_grad"),
+    (["model.top_k=9"], "model.top_k"),
+    (["model.vocab_size=64"], "model.vocab_size"),  # smaller than the built-in tokenizer
+    (["model.params_dtype=float16"], "model.params_dtype"),
+    (["cluster=slurm"], "cluster.partition"),
+    (["cluster=slurm", "cluster.partition=gpu", "cluster.signal_s=999999"], "cluster.signal_s"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", INVALID, ids=[" ".join(o) for o, _ in INVALID])
+def test_invalid_config_names_the_key_in_one_line(composer, overrides, key):
+    with pytest.raises(ConfigError) as e:
+        validate(composer(overrides))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(key + "="), msg
+    assert "; fix: " in msg
+
+
+LAYOUT_INVALID = [  # (overrides, world size, key)
+    (["parallel.tp=2", "parallel.ep=2"], 4, "parallel.sequence_parallel"),  # TP with MoE, no SP
+    (["parallel.tp=2"], 1, "parallel.tp*pp*cp"),
+    (["parallel.ep=3"], 3, "parallel.ep"),
+    (["parallel.pp=3"], 3, "parallel.pp"),
+    (["rollout.prompts_per_step=3"], 2, "rollout.prompts_per_step"),
+    (["trainer.micro_batch_size=24"], 2, "trainer.micro_batch_size"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,key", LAYOUT_INVALID,
+                         ids=[" ".join(o) for o, _, _ in LAYOUT_INVALID])
+def test_invalid_layouts_name_the_key(composer, overrides, world, key):
+    job = validate(composer(overrides))
+    with pytest.raises(ConfigError) as e:
+        dp = job.parallel.validate(world, job.model, device_type="cpu")
+        job.check_layout(dp)
+    assert str(e.value).startswith(key + "="), str(e.value)
+
+
+def test_unknown_group_option_lists_the_valid_ones():
+    with pytest.raises(ConfigError) as e:
+        check_group_choices(["algo=gspo,ppo"])
+    assert str(e.value) == ("algo='ppo': no such option in conf/algo/; fix: use one of grpo, "
+                            "gspo, gspo_token")
+    check_group_choices(["algo=gspo,grpo", "replay=none,r2", "trainer.steps=3", "+arm=gspo"])
+    with pytest.raises(ConfigError):
+        check_group_choices(["+experiment=paper_huge"])
+
+
+def test_unknown_key_names_the_section():
+    with pytest.raises(ConfigError) as e:
+        job_from_dict({"algo": {"nam": "gspo"}})
+    assert str(e.value).startswith("algo.nam=")

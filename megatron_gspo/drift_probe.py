@@ -37,15 +37,14 @@ class DriftProbe:
         return drift_between(a, b, local_layers=self.layers, num_moe_layers=self.num_layers,
                              pp_group=self.ctx.pp_group)
 
-    def before_updates(self, run, batch, mbs0, routes, step: int) -> dict:
+    def before_updates(self, run, batch, mbs0, rows0, routes, step: int) -> dict:
         """Routes of the first micro-batch on the old policy; rollout/train drift and load.
         Padding positions are left out of every measure."""
         if self.job.replay.mode == "none" or (self.job.replay.mode == "r2" and routes):
             before = routes[:1]
         else:  # R3 replayed the engine's routes: record the trainer's own
             before = self._natural_routes(run, mbs0)
-        rows = len(mbs0[0].tokens_BS)
-        self._valid = _router_mask(batch, rows, self.ctx)
+        self._valid = _router_mask(batch, rows0, self.ctx)
         before = _keep(before, self._valid)
         self._before = before
         out = {}
@@ -54,7 +53,7 @@ class DriftProbe:
         self.log.load(step, load)
         out["moe/load/max_share"] = float(load["share"].max())
         if batch.routes is not None:
-            engine = _keep(run_targets(run, batch, rows), self._valid)
+            engine = _keep(run_targets(run, batch, rows0), self._valid)
             m = self._between(engine, before)
             self.log.drift(step, "rollout_train", m)
             out["moe/drift/rollout_train/mean"] = float(m["changed_fraction"])
@@ -80,22 +79,21 @@ class DriftProbe:
         print(f"drift report: {path}")
 
 
-def run_targets(run, batch, rows: int) -> list:
-    """The engine's routes of the first ``rows`` rows, as this rank's routers see them."""
+def run_targets(run, batch, rows: list) -> list:
+    """The engine's routes of ``rows`` (one micro-batch), as this rank's routers see them."""
     from megatron_gspo.rl_batch import engine_route_targets
 
-    return engine_route_targets(batch, list(range(rows)), rows, layers=run.drift.layers,
-                                ctx=run.ctx)
+    return engine_route_targets(batch, rows, len(rows), layers=run.drift.layers, ctx=run.ctx)
 
 
-def _router_mask(batch, rows: int, ctx):
-    """[N] True for the real (not padding) tokens of the first ``rows`` rows, in the order this
-    rank's routers see them."""
+def _router_mask(batch, rows: list, ctx):
+    """[N] True for the real (not padding) tokens of ``rows``, in the order this rank's routers
+    see them."""
     import torch
 
     from moe.records import rank_targets
 
-    valid_BS = torch.arange(batch.width)[None] < batch.lengths_B[:rows, None]
+    valid_BS = torch.arange(batch.width)[None] < batch.lengths_B[torch.tensor(rows), None]
     return rank_targets(valid_BS[:, :, None, None].long(), layers=[0], tp=ctx.tp,
                         tp_rank=ctx.tp_rank, sequence_parallel=ctx.sequence_parallel)[0][:, 0].bool()
 

@@ -424,3 +424,32 @@ def export_hf(gpt, m: ModelConfig, ctx: ParallelContext, out_dir: str,
     if state is not None:
         write_hf_checkpoint(state, hf_config or hf_config_from_model(m), out_dir)
     dist.barrier()
+
+
+class SeededTensors(TensorSource):
+    """Random HF-named weights, each a pure function of (seed, tensor name): loading them with
+    ``load_hf_weights`` initialises a model identically on every parallel layout (Megatron's own
+    init draws per-rank streams). Normal(0, std) for matrices, std / sqrt(2 * layers) for the
+    output projections (as Megatron scales them), ones for norms. Builds each full tensor on every
+    rank: meant for models trained from scratch, not for pretrained sizes."""
+
+    def __init__(self, m: ModelConfig, seed: int):
+        super().__init__({}, {"tie_word_embeddings": False}, path=f"<seeded init {seed}>")
+        self.m, self.seed = m, seed
+
+    def __contains__(self, name: str) -> bool:
+        return True
+
+    def get(self, name: str, shape: Optional[tuple] = None) -> torch.Tensor:
+        import math
+        import zlib
+
+        if shape is None:
+            raise HFCheckpointError(f"{self.path}: tensor {name!r} needs a shape")
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        std = self.m.init_method_std
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            std /= math.sqrt(2.0 * self.m.num_layers)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.randn(shape, generator=g) * std

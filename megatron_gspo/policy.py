@@ -132,11 +132,12 @@ def sft_update(ddp, optimizer, mbs: list[MicroBatch], ctx: ParallelContext, *, n
     return loss, float(grad_norm)
 
 
-def sft_micro_batches(prompt_ids: list, answer_ids: list, *, eos_id: int, pad_id: int, size: int
-                      ) -> list[MicroBatch]:
-    """Prompt + answer + eos rows, right-padded; the loss covers the answer and eos."""
+def sft_micro_batches(prompt_ids: list, answer_ids: list, *, eos_id: int, pad_id: int, size: int,
+                      width: Optional[int] = None) -> list[MicroBatch]:
+    """Prompt + answer + eos rows, right-padded (to ``width`` tokens if given); the loss covers
+    the answer and eos."""
     rows = [list(p) + list(a) + [eos_id] for p, a in zip(prompt_ids, answer_ids)]
-    width = max(len(r) for r in rows)
+    width = width or max(len(r) for r in rows)
     tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(rows), width - 1)
     for i, (r, p) in enumerate(zip(rows, prompt_ids)):

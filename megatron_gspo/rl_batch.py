@@ -94,9 +94,17 @@ def micro_batches(batch: RolloutBatch, rows: Sequence[int], size: int) -> list[M
 
 
 def minibatch_rows(num_rows: int, minibatches: int) -> list[list[int]]:
-    """Contiguous row ranges of each mini-batch (one optimizer update each)."""
-    per = num_rows // minibatches
-    return [list(range(k * per, (k + 1) * per)) for k in range(minibatches)]
+    """The rows of each mini-batch (one optimizer update each): every ``minibatches``-th row, so
+    that a mini-batch holds the same responses on any data-parallel split of the batch (each rank
+    holds a contiguous block of rows)."""
+    return [list(range(k, num_rows, minibatches)) for k in range(minibatches)]
+
+
+def update_order(num_rows: int, minibatches: int) -> list[int]:
+    """Rows in the order the updates consume them (mini-batch after mini-batch): the old-policy
+    pass runs its micro-batches in this order, so that its k-th micro-batch is the k-th of the
+    updates (R2 replays its routes there)."""
+    return [r for rows in minibatch_rows(num_rows, minibatches) for r in rows]
 
 
 def engine_route_targets(batch: RolloutBatch, rows: Sequence[int], size: int, *, layers, ctx

@@ -177,9 +177,10 @@ def old_logprobs(run: Run, batch):
     """Behaviour log-probs of the whole batch on the current (old) policy, and the routes of
     each micro-batch's forward (recorded; or under R3, the engine's, replayed)."""
     from megatron_gspo.policy import logprob_pass
-    from megatron_gspo.rl_batch import micro_batches
+    from megatron_gspo.rl_batch import micro_batches, update_order
 
-    job, rows = run.job, list(range(batch.rows))
+    job = run.job
+    rows = update_order(batch.rows, job.algo.minibatches)
     mbs = micro_batches(batch, rows, job.trainer.micro_batch_size)
     temp = job.rollout.temperature
     routes = None
@@ -190,13 +191,22 @@ def old_logprobs(run: Run, batch):
         record = run.replay is not None and r3 is None
         logp, routes = logprob_pass(run.ddp, mbs, run.ctx, temperature=temp, replay=run.replay,
                                     record=record, targets=r3)
+        logp = _unorder(logp, rows)
         routes = r3 if r3 is not None else routes
         batch.old_logp_BS = (batch.engine_logp_BS.clone() if job.algo.old_logprobs == "engine"
                              else logp)
         batch.recomputed_logp_BS = logp
     if run.ref_model is not None:
-        batch.ref_logp_BS, _ = logprob_pass(run.ref_model, mbs, run.ctx, temperature=temp)
+        ref, _ = logprob_pass(run.ref_model, mbs, run.ctx, temperature=temp)
+        batch.ref_logp_BS = _unorder(ref, rows)
     return routes
+
+
+def _unorder(values_BS: torch.Tensor, rows: list) -> torch.Tensor:
+    """Rows computed in ``rows`` order, back in batch order."""
+    out = torch.empty_like(values_BS)
+    out[torch.tensor(rows)] = values_BS
+    return out
 
 
 def update(run: Run, batch, routes):
@@ -211,10 +221,9 @@ def update(run: Run, batch, routes):
     for k, rows in enumerate(minibatch_rows(batch.rows, job.algo.minibatches)):
         mbs = micro_batches(batch, rows, size)
         if k == 0 and run.drift is not None:
-            drift.update(run.drift.before_updates(run, batch, mbs[:1], routes, step))
+            drift.update(run.drift.before_updates(run, batch, mbs[:1], rows[:size], routes, step))
         attach_ref(mbs, batch.ref_logp_BS, rows)
-        first_mb = rows[0] // size
-        targets = routes[first_mb:first_mb + len(mbs)] if replaying else None
+        targets = routes[k * len(mbs):(k + 1) * len(mbs)] if replaying else None
         run.updates += 1
         result = policy_update(
             run.ddp, run.optimizer, mbs, run.ctx, job.algo, temperature=job.rollout.temperature,
@@ -246,7 +255,10 @@ def evaluate(run: Run) -> float:
     ctx, recs = run.ctx, run.eval_records
     if not recs:
         return float("nan")
-    mine = recs[ctx.dp_rank::ctx.dp]
+    per_rank = -(-len(recs) // ctx.dp)
+    mine = recs[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
+    real = len(mine)
+    mine = mine + [recs[0]] * (per_rank - real)  # equal rows on every rank (lockstep decoding)
     params = SamplingParams(max_new_tokens=run.job.rollout.max_new_tokens, temperature=0.0,
                             stop_token_ids=(run.tokenizer.eos_id,))
     total = torch.zeros(2, dtype=torch.float64)
@@ -255,8 +267,9 @@ def evaluate(run: Run) -> float:
         part = mine[i:i + chunk]
         ids = [run.tokenizer.render_prompt(p.prompt, p.messages) for p in part]
         samples = run.engine.generate(ids, 1, params)
-        total[0] += float(score(run, part, samples).sum())
-        total[1] += len(part)
+        correct = score(run, part, samples)[:max(0, real - i)]
+        total[0] += float(correct.sum())
+        total[1] += len(correct)
     if ctx.dp > 1:
         dist.all_reduce(total, group=ctx.dp_group)
     return float(total[0] / total[1])
@@ -410,7 +423,11 @@ def make_engine(job: JobConfig, gpt, ctx, replay, tokenizer):
         from megatron_gspo.rollout.local_engine import LocalEngine
 
         record = replay if (job.replay.mode == "r3" or job.logging.drift) else None
-        return LocalEngine(gpt, ctx, replay=record, pad_id=tokenizer.pad_id)
+        # Expert parallelism spans data-parallel ranks, which generate different prompts: the
+        # whole world decodes in lockstep then.
+        lockstep = dist.group.WORLD if ctx.ep > 1 and ctx.dp > 1 else None
+        return LocalEngine(gpt, ctx, replay=record, pad_id=tokenizer.pad_id,
+                           lockstep_group=lockstep)
     from megatron_gspo.rollout.sglang_engine import SGLangEngine
 
     r, m = job.rollout, job.model
@@ -436,8 +453,7 @@ def warm_up(run: Run) -> None:
     """A fresh run: held-out accuracy, the supervised warm-up, accuracy again, checkpoint 0."""
     t = run.job.trainer
     run.logger.truncate_after(-1)  # a fresh run: no rows of an earlier attempt in this directory
-    if t.init_from:
-        init_weights(run, t.init_from)
+    init_weights(run, t.init_from)
     run.history["accuracy_initial"] = evaluate(run)
     run.logger.say(f"held-out accuracy before training: {run.history['accuracy_initial']:.3f} "
                    f"({len(run.eval_records)} prompts)")
@@ -453,7 +469,13 @@ def warm_up(run: Run) -> None:
 
 
 def init_weights(run: Run, path: str) -> None:
-    """Starting weights from a HF Qwen3-MoE directory or a weights checkpoint (any layout)."""
+    """Starting weights from a HF Qwen3-MoE directory or a weights checkpoint (any layout), or
+    random weights drawn per tensor from the seed (the same on every layout)."""
+    if not path:
+        from megatron_gspo.hf_qwen3moe import SeededTensors, load_hf_weights
+
+        load_hf_weights(run.gpt, SeededTensors(run.job.model, run.job.seed), run.job.model, run.ctx)
+        return
     if os.path.isfile(os.path.join(path, "config.json")):
         from megatron_gspo.hf_qwen3moe import load_hf_weights
 
@@ -477,9 +499,13 @@ def sft(run: Run) -> None:
     t0 = time.perf_counter()
     for i in range(1, t.sft_steps + 1):
         recs = data.next_batch(t.sft_batch_size)[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
-        mbs = sft_micro_batches([tok.render_prompt(r.prompt, r.messages) for r in recs],
-                                [tok.encode(str(r.answer)) for r in recs], eos_id=tok.eos_id,
-                                pad_id=tok.pad_id, size=t.micro_batch_size)
+        prompts = [tok.render_prompt(r.prompt, r.messages) for r in recs]
+        answers = [tok.encode(str(r.answer)) for r in recs]
+        width = torch.tensor([max(len(p) + len(a) + 1 for p, a in zip(prompts, answers))])
+        if ctx.world_size > 1:  # one row width on every rank (expert-parallel collectives)
+            dist.all_reduce(width, op=dist.ReduceOp.MAX)
+        mbs = sft_micro_batches(prompts, answers, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                                size=t.micro_batch_size, width=int(width))
         tokens = torch.tensor([float(mb.loss_mask_BS.sum()) for mb in mbs]).sum().reshape(1)
         if ctx.dp > 1:
             dist.all_reduce(tokens, group=ctx.dp_group)

@@ -61,8 +61,13 @@ def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator=None,
 class LocalEngine:
     """Generates with ``gpt`` in this process; weight updates are the trainer's own, in place."""
 
-    def __init__(self, gpt, ctx: ParallelContext, *, replay=None, pad_id: int = 0):
+    def __init__(self, gpt, ctx: ParallelContext, *, replay=None, pad_id: int = 0,
+                 lockstep_group=None):
+        """``lockstep_group``: ranks that generate different prompts but share collectives inside
+        the model (expert parallelism across data-parallel ranks): they pad to one prompt length
+        and decode until every one of them has finished."""
         self.gpt, self.ctx, self.replay, self.pad_id = gpt, ctx, replay, pad_id
+        self.lockstep = lockstep_group
 
     def health(self) -> bool:
         return True
@@ -117,7 +122,7 @@ class LocalEngine:
             raise ValueError("every prompt needs at least one token")
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(samples_per_prompt)]
         b = len(rows)
-        p_len = max(len(p) for _, p in rows)
+        p_len = self._agree(max(len(p) for _, p in rows), b)
         s_len = p_len + params.max_new_tokens
         device = self.ctx.device
         tokens_BP = torch.full((b, p_len), self.pad_id, dtype=torch.long)
@@ -168,7 +173,7 @@ class LocalEngine:
                     lengths += (~finished).long()
                     if len(stop):
                         finished |= torch.isin(token, stop)
-                    if bool(finished.all()) or step == params.max_new_tokens - 1:
+                    if self._all_finished(finished) or step == params.max_new_tokens - 1:
                         break
                     offset = icx.sequence_len_offset
                     icx.enable_decode_mode()
@@ -204,6 +209,27 @@ class LocalEngine:
                                   logprobs_R=logp_BR[r, :n].clone(), finish_reason=reason,
                                   routes_TLK=sample_routes, prompt_index=i))
         return samples
+
+    def _agree(self, p_len: int, b: int) -> int:
+        """The padded prompt length of the lockstep group (whose row counts must be equal)."""
+        import torch.distributed as dist
+
+        if self.lockstep is None or dist.get_world_size(self.lockstep) == 1:
+            return p_len
+        t = torch.tensor([p_len, b, -b])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.lockstep)
+        if int(t[1]) != -int(t[2]):
+            raise ValueError(f"ranks generating in lockstep must have equal row counts; this rank "
+                             f"has {b}, another {int(t[1]) if int(t[1]) != b else -int(t[2])}")
+        return int(t[0])
+
+    def _all_finished(self, finished: torch.Tensor) -> bool:
+        import torch.distributed as dist
+
+        done = torch.tensor([int(bool(finished.all()))])
+        if self.lockstep is not None and dist.get_world_size(self.lockstep) > 1:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.lockstep)
+        return bool(done)
 
     @staticmethod
     def _routes(forwards: list, b: int, p_len: int) -> list:

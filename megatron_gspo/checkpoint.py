@@ -89,6 +89,19 @@ def _prepare_optimizer(optimizer, ctx: ParallelContext, loading: bool) -> None:
             opt._init_optimizer_states_with_dummy_values()
 
 
+def _writer_results_queue() -> None:
+    """dist_checkpointing's file writer collects its forked writers' results through a queue
+    that it creates, once per process, from a ``multiprocessing.Manager``: a server process that
+    outlives a trainer killed with SIGKILL (holding its stdout and stderr open). A plain queue of
+    the fork context serves the forked writers the same way and dies with the process."""
+    import multiprocessing as mp
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = mp.get_context("fork").Queue()
+
+
 def _rng_state() -> dict:
     from megatron.core import tensor_parallel
 
@@ -170,6 +183,7 @@ class CheckpointManager:
             os.makedirs(tmp)
         dist.barrier()
         _prepare_optimizer(optimizer, self.ctx, loading=False)
+        _writer_results_queue()
         model_sd = model.sharded_state_dict()
         sharded = {"model": model_sd}
         has_optimizer = optimizer_has_state(optimizer)  # a fresh optimizer (step 0) has none
@@ -265,6 +279,7 @@ class CheckpointManager:
                                   f"(and {len(missing) - 1} more)")
         if same_optimizer:
             optimizer.load_state_dict(loaded["optimizer"])
+            _unshare_adam_steps(optimizer)
         else:
             # The model weights are loaded into the model; the fresh optimizer's fp32 main copy
             # must follow them.
@@ -280,6 +295,18 @@ class CheckpointManager:
             _warn(f"{path}: saved from layout {state.get('layout')}, resuming on "
                   f"{_layout(self.ctx)}: RNG streams are reseeded")
         return state
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """Megatron restores torch Adam's per-parameter ``step`` (kept once in the param groups) as
+    one tensor object shared by every parameter's state; torch's foreach Adam increments each
+    parameter's step in place, so a shared one advances once per parameter per update and the
+    bias correction after a resume is wrong. Each state gets its own copy."""
+    for opt in _sub_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
 
 
 def _reload_main_params(optimizer) -> None:

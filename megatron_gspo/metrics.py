@@ -55,7 +55,8 @@ class RunLogger:
 
     def truncate_after(self, step: int) -> None:
         """Drop rows of steps after ``step`` (written by a run that was killed after its last
-        checkpoint), so that a resumed run's log is the uninterrupted run's."""
+        checkpoint) and final rows of an earlier end, so that a resumed run's log is the
+        uninterrupted run's."""
         if not self.enabled or not os.path.isfile(self.path):
             return
         with open(self.path) as f:
@@ -66,7 +67,7 @@ class RunLogger:
                 row = json.loads(line)
             except ValueError:
                 continue  # a row cut by the kill
-            if row.get("step", 0) <= step:
+            if row.get("step", 0) <= step and not row.get("final"):
                 kept.append(line if line.endswith("\n") else line + "\n")
         with open(self.path, "w") as f:
             f.writelines(kept)

@@ -160,7 +160,8 @@ def make_batch(run: Run, samples, rewards):
 
     adv = group_advantages(rewards, run.job.rollout.group_size,
                            scale=run.job.algo.scale_advantages)
-    return build_batch(samples, rewards, adv, width=row_width(samples),
+    multiple = run.ctx.tp if run.ctx.sequence_parallel else 1
+    return build_batch(samples, rewards, adv, width=row_width(samples, multiple_of=multiple),
                        pad_id=run.tokenizer.pad_id, num_experts=run.job.model.num_experts)
 
 
@@ -504,8 +505,10 @@ def sft(run: Run) -> None:
         width = torch.tensor([max(len(p) + len(a) + 1 for p, a in zip(prompts, answers))])
         if ctx.world_size > 1:  # one row width on every rank (expert-parallel collectives)
             dist.all_reduce(width, op=dist.ReduceOp.MAX)
+        multiple = ctx.tp if ctx.sequence_parallel else 1  # fed tokens: width - 1
+        width = -(-(int(width) - 1) // multiple) * multiple + 1
         mbs = sft_micro_batches(prompts, answers, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                                size=t.micro_batch_size, width=int(width))
+                                size=t.micro_batch_size, width=width)
         tokens = torch.tensor([float(mb.loss_mask_BS.sum()) for mb in mbs]).sum().reshape(1)
         if ctx.dp > 1:
             dist.all_reduce(tokens, group=ctx.dp_group)

@@ -123,7 +123,7 @@ def test_sigterm_checkpoints_and_exits_for_requeue(uninterrupted, tmp_path):
 
 
 def test_nan_update_is_skipped_with_state_unchanged(tmp_path):
-    cfg = merge(SHORT, {"run_dir": str(tmp_path), "trainer": {"micro_batch_size": 4}})
+    cfg = merge(SHORT, {"run_dir": str(tmp_path)})
     for world, extra in ((1, {}), (2, {"parallel": {"ep": 2}})):
         out = run_ranks(nan_update_job, world, merge(cfg, extra))[0]
         assert out["first_applied"] and not out["second_applied"], out
@@ -144,18 +144,34 @@ def test_consecutive_nan_updates_stop_the_run(tmp_path):
 
 
 def test_checkpoint_loads_into_another_layout(tmp_path):
-    """Saved on EP=2 (2 ranks), resumed on 1 rank: the next step matches the EP=2 run's."""
+    """Saved on EP=2 (2 ranks), resumed on PP=2 x EP=2 (4 ranks): the next step matches the EP=2
+    run's (weights, Adam moments, schedule and data position all carried over)."""
     cfg = merge(SHORT, {"seed": 9, "trainer": {"steps": 3}})
     two = run_ranks(train_job, 2, merge(cfg, {"parallel": {"ep": 2},
-                                              "run_dir": str(tmp_path / "two")}))[0]
-    src = tmp_path / "two" / "checkpoints" / "step_000002"
-    resumed = run_ranks(train_job, 1, merge(cfg, {"trainer": {"resume": str(src)},
-                                                  "run_dir": str(tmp_path / "one")}))[0]
+                                              "run_dir": str(tmp_path / "ep2")}))[0]
+    src = tmp_path / "ep2" / "checkpoints" / "step_000002"
+    tp = run_ranks(train_job, 4, merge(cfg, {
+        "parallel": {"pp": 2, "ep": 2}, "trainer": {"resume": str(src)},
+        "run_dir": str(tmp_path / "pp2ep2")}))[0]
     a = [r for r in two["rows"] if r["step"] == 3 and "train/loss" in r][0]
-    b = [r for r in resumed["rows"] if r["step"] == 3 and "train/loss" in r][0]
-    assert [r["step"] for r in resumed["rows"] if "train/loss" in r] == [3]
+    b = [r for r in tp["rows"] if r["step"] == 3 and "train/loss" in r][0]
+    assert [r["step"] for r in tp["rows"] if "train/loss" in r] == [3]
     assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
-    for key in ("train/loss", "train/ratio_mean", "train/grad_norm", "train/lr"):
+    for key in ("train/loss", "train/ratio_mean", "train/grad_norm", "train/lr", "train/entropy"):
         assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
-    with open(tmp_path / "one" / "checkpoints" / "step_000003" / "trainer_state.json") as f:
-        assert json.load(f)["layout"]["world_size"] == 1
+    with open(tmp_path / "pp2ep2" / "checkpoints" / "step_000003" / "trainer_state.json") as f:
+        assert json.load(f)["layout"]["pp"] == 2
+
+
+def test_checkpoint_loads_into_one_rank(tmp_path, capfd):
+    """EP=2 -> 1 rank splits the optimizer differently (no separate expert group): the weights,
+    schedule and data position load, the moments restart with a warning, training continues."""
+    cfg = merge(SHORT, {"seed": 9, "trainer": {"steps": 3}})
+    run_ranks(train_job, 2, merge(cfg, {"parallel": {"ep": 2}, "trainer": {"steps": 2},
+                                        "run_dir": str(tmp_path / "ep2")}))
+    src = tmp_path / "ep2" / "checkpoints" / "step_000002"
+    one = run_ranks(train_job, 1, merge(cfg, {"trainer": {"resume": str(src)},
+                                              "run_dir": str(tmp_path / "one")}))[0]
+    assert "its moments restart" in capfd.readouterr().err
+    rows = [r for r in one["rows"] if "train/loss" in r]
+    assert [r["step"] for r in rows] == [3] and rows[0]["minibatch/ratio_mean"][0] == 1.0

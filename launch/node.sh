@@ -17,7 +17,7 @@ run() {
 
 if [[ "${MG_SGLANG:-none}" == colocated ]]; then
   if [[ -n "${MG_DRY_RUN:-}" ]]; then
-    run bash "$HERE/sglang_server.sh"
+    bash "$HERE/sglang_server.sh"  # prints its command in a dry run
   else
     bash "$HERE/sglang_server.sh" &
   fi
@@ -27,14 +27,16 @@ if [[ -z "${MG_DRY_RUN:-}" ]]; then mkdir -p "$RUN_DIR" && touch "$STAMP"; fi
 # torchrun must outlive the signal: SIGUSR2 is ignored by it (and inherited as ignored by the
 # ranks, which install their own handler); node.sh hands it to the ranks below.
 trap '' USR2
-run torchrun --nnodes="${SLURM_NNODES:-1}" --node-rank="${SLURM_NODEID:-0}" \
-  --nproc-per-node="${MG_GPUS_PER_NODE:-8}" --rdzv-backend=c10d \
-  --rdzv-endpoint="$HEAD:$RDZV_PORT" --rdzv-id="${SLURM_JOB_ID:-local}" \
-  -m megatron_gspo "hydra.run.dir=$RUN_DIR" "$@" &
+TRAIN_CMD=(torchrun --nnodes="${SLURM_NNODES:-1}" --node-rank="${SLURM_NODEID:-0}"
+  --nproc-per-node="${MG_GPUS_PER_NODE:-8}" --rdzv-backend=c10d
+  --rdzv-endpoint="$HEAD:$RDZV_PORT" --rdzv-id="${SLURM_JOB_ID:-local}"
+  -m megatron_gspo "hydra.run.dir=$RUN_DIR" "$@")
+if [[ -n "${MG_DRY_RUN:-}" ]]; then run "${TRAIN_CMD[@]}"; exit 0; fi
+"${TRAIN_CMD[@]}" &
 TRAINER=$!
+# The trainer ranks are torchrun's children: they checkpoint at the next step boundary and exit.
 trap 'pkill -USR2 -P "$TRAINER" 2>/dev/null' USR2
 trap 'pkill -TERM -P "$TRAINER" 2>/dev/null' TERM
-[[ -z "${MG_DRY_RUN:-}" ]] || exit 0
 code=0
 while true; do
   wait "$TRAINER"; code=$?

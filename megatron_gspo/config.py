@@ -280,7 +280,8 @@ class DataConfig:
     train_size: int = 2000
     eval_size: int = 200
     max_value: int = 9  # add: operand range
-    max_len: int = 4  # reverse: word length
+    min_len: int = 1  # reverse: word length range
+    max_len: int = 4
     files: list = field(default_factory=list)
     eval_files: list = field(default_factory=list)
     reward: str = "exact_match"  # exact_match | math | code
@@ -292,6 +293,9 @@ class DataConfig:
         if self.task == "files" and not self.files:
             raise _err("data.files", self.files, "task=files needs prompt files",
                        "list .jsonl or .parquet files")
+        if not 1 <= self.min_len <= self.max_len:
+            raise _err("data.min_len", self.min_len, f"must be in [1, max_len={self.max_len}]",
+                       "lower min_len")
         if self.train_size < 1 or self.eval_size < 0:
             raise _err("data.train_size" if self.train_size < 1 else "data.eval_size",
                        self.train_size if self.train_size < 1 else self.eval_size,
@@ -321,7 +325,8 @@ class TrainerConfig:
     adam_beta2: float = 0.999
     clip_grad: float = 1.0
     init_from: str = ""  # starting weights: a HF Qwen3-MoE directory or a weights checkpoint
-    sft_steps: int = 0  # supervised warm-up on the task's answers before RL
+    sft_steps: int = 0  # supervised warm-up on the task's answers before RL (at most)
+    sft_target_accuracy: float = 1.0  # stop the warm-up once a batch's accuracy reaches this
     sft_batch_size: int = 32
     sft_lr: float = 3e-3
     eval_interval: int = 0  # RL steps between held-out evaluations (0: only before and after)

@@ -110,26 +110,49 @@ def _grad_buffers(ddp) -> list:
 def sft_update(ddp, optimizer, mbs: list[MicroBatch], ctx: ParallelContext, *, normalizer: float,
                guard: NonFiniteGuard, where: str) -> tuple[float, float]:
     """One supervised update: token-mean negative log-likelihood of the masked (answer) tokens.
-    Returns (loss, grad norm)."""
+    Returns (loss, accuracy): the fraction of rows whose answer tokens are all the model's most
+    likely next tokens (teacher-forced, before the update)."""
 
     def loss_fn(mb, logits):
         logp, _ = token_logprobs(logits, mb.targets_BS, group=ctx.tp_group)
         nll = -(logp * mb.loss_mask_BS).sum()
-        return nll / normalizer, {"nll": nll.detach(), "tokens": mb.loss_mask_BS.sum()}
+        # A row is right when its target is the most likely token at every answer position.
+        best = logits.detach().max(-1).values
+        if ctx.tp > 1:
+            dist.all_reduce(best, op=dist.ReduceOp.MAX, group=ctx.tp_group)
+        target_logit = _target_logits(logits.detach(), mb.targets_BS, ctx)
+        wrong = ((target_logit < best) & (mb.loss_mask_BS > 0)).any(-1)
+        return nll / normalizer, {"nll": nll.detach(), "tokens": mb.loss_mask_BS.sum(),
+                                  "rows": torch.tensor(float(len(wrong))),
+                                  "right": (~wrong).sum().float()}
 
     zero_grads(ddp, optimizer)
     out = forward_backward(ddp, mbs, ctx, loss_fn)
     m = last_stage_metrics(out, ctx, lambda parts: {k: torch.stack([p[k] for p in parts]).sum()
                                                     for k in parts[0]})
-    totals = torch.stack([m["nll"], m["tokens"]]).double()
+    totals = torch.stack([m["nll"], m["tokens"], m["right"], m["rows"]]).double()
     if ctx.dp > 1:
         dist.all_reduce(totals, group=ctx.dp_group)
     loss = float(totals[0] / totals[1].clamp_min(1))
+    accuracy = float(totals[2] / totals[3].clamp_min(1))
     if not guard.check(all_finite(totals, _grad_buffers(ddp)), where):
         zero_grads(ddp, optimizer)
-        return loss, float("nan")
-    _, grad_norm, _ = optimizer.step()
-    return loss, float(grad_norm)
+        return loss, accuracy
+    optimizer.step()
+    return loss, accuracy
+
+
+def _target_logits(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, ctx: ParallelContext):
+    """The logit of each target token, with the vocabulary split over the TP ranks."""
+    v = logits_BSV.shape[-1]
+    start = ctx.tp_rank * v
+    local = targets_BS - start
+    inside = (local >= 0) & (local < v)
+    picked = logits_BSV.gather(-1, local.clamp(0, v - 1)[..., None])[..., 0]
+    picked = torch.where(inside, picked, torch.full_like(picked, -float("inf")))
+    if ctx.tp > 1:
+        dist.all_reduce(picked, op=dist.ReduceOp.MAX, group=ctx.tp_group)
+    return picked
 
 
 def sft_micro_batches(prompt_ids: list, answer_ids: list, *, eos_id: int, pad_id: int, size: int,

@@ -411,7 +411,7 @@ def load_data(job: JobConfig):
         train = PromptDataset(d.files, seed=job.seed)
         held = [r for f in d.eval_files for r in read_prompt_file(f)][:d.eval_size or None]
         return train, held
-    kw = dict(max_value=d.max_value, max_len=d.max_len)
+    kw = dict(max_value=d.max_value, max_len=d.max_len, min_len=d.min_len)
     records = make_task(d.task, d.train_size, seed=job.seed, **kw)
     seen = {r.prompt for r in records}
     held = [r for r in make_task(d.task, 4 * d.eval_size + 64, seed=job.seed + 7919, **kw)
@@ -512,12 +512,19 @@ def sft(run: Run) -> None:
         tokens = torch.tensor([float(mb.loss_mask_BS.sum()) for mb in mbs]).sum().reshape(1)
         if ctx.dp > 1:
             dist.all_reduce(tokens, group=ctx.dp_group)
-        loss, _ = sft_update(run.ddp, optimizer, mbs, ctx, normalizer=float(tokens) / ctx.dp,
-                             guard=run.guard, where=f"sft step {i}")
+        loss, accuracy = sft_update(run.ddp, optimizer, mbs, ctx,
+                                    normalizer=float(tokens) / ctx.dp, guard=run.guard,
+                                    where=f"sft step {i}")
         run.logger.scalar("sft/loss", loss, i)
-        if i % max(1, t.sft_steps // 5) == 0 or i == t.sft_steps:
-            run.logger.say(f"sft {i}/{t.sft_steps}  loss {loss:.4f}  "
-                           f"{time.perf_counter() - t0:.0f}s")
+        run.logger.scalar("sft/accuracy", accuracy, i)
+        done = accuracy >= t.sft_target_accuracy
+        if i % max(1, t.sft_steps // 5) == 0 or i == t.sft_steps or done:
+            run.logger.say(f"sft {i}/{t.sft_steps}  loss {loss:.4f}  batch accuracy {accuracy:.3f}"
+                           f"  {time.perf_counter() - t0:.0f}s")
+        if done:  # the warm-up's goal: a policy that is sometimes right, for RL to improve
+            run.logger.say(f"sft: batch accuracy {accuracy:.3f} >= {t.sft_target_accuracy}, "
+                           f"warm-up done after {i} steps")
+            break
     del optimizer
 
 

@@ -2,7 +2,7 @@
 a seed, with exact-match rewards.
 
 - ``add``: "a+b=" -> the decimal sum (operands up to ``max_value``)
-- ``reverse``: "rev:xyz=" -> "zyx" (lower-case letters, up to ``max_len``)
+- ``reverse``: "rev:xyz=" -> "zyx" (lower-case letters, ``min_len`` to ``max_len`` of them)
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from megatron_gspo.rewards import RewardInput, RewardResult, register_reward
 TASKS = ("add", "reverse")
 
 
-def make_task(name: str, n: int, *, seed: int, max_value: int = 9, max_len: int = 4
-              ) -> list[PromptRecord]:
+def make_task(name: str, n: int, *, seed: int, max_value: int = 9, max_len: int = 4,
+              min_len: int = 1) -> list[PromptRecord]:
     if name not in TASKS:
         raise ValueError(f"unknown synthetic task {name!r}; valid: {', '.join(TASKS)}")
     rng = random.Random(f"{name}:{seed}")
@@ -28,7 +28,7 @@ def make_task(name: str, n: int, *, seed: int, max_value: int = 9, max_len: int 
             prompt, answer = f"{a}+{b}=", str(a + b)
         else:
             word = "".join(rng.choice(string.ascii_lowercase)
-                           for _ in range(rng.randint(1, max_len)))
+                           for _ in range(rng.randint(min_len, max_len)))
             prompt, answer = f"rev:{word}=", word[::-1]
         out.append(PromptRecord(prompt=prompt, messages=None, answer=answer,
                                 metadata={"task": name}, source=f"{name}:{seed}:{i}"))

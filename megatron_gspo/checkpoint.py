@@ -90,16 +90,17 @@ def _prepare_optimizer(optimizer, ctx: ParallelContext, loading: bool) -> None:
 
 
 def _writer_results_queue() -> None:
-    """dist_checkpointing's file writer collects its forked writers' results through a queue
-    that it creates, once per process, from a ``multiprocessing.Manager``: a server process that
-    outlives a trainer killed with SIGKILL (holding its stdout and stderr open). A plain queue of
-    the fork context serves the forked writers the same way and dies with the process."""
-    import multiprocessing as mp
+    """dist_checkpointing's file writer hands the write results to the saving process through a
+    queue that it creates, once per process, from a ``multiprocessing.Manager``: a server process
+    that outlives a trainer killed with SIGKILL (holding its stdout and stderr open). Our saves
+    are synchronous: the results are put and read in this process, which a thread-safe in-process
+    queue does without any helper process."""
+    import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", None) is None:
-        filesystem_async._results_queue = mp.get_context("fork").Queue()
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _rng_state() -> dict:

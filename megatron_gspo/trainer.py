@@ -412,11 +412,13 @@ def load_data(job: JobConfig):
         held = [r for f in d.eval_files for r in read_prompt_file(f)][:d.eval_size or None]
         return train, held
     kw = dict(max_value=d.max_value, max_len=d.max_len, min_len=d.min_len)
-    records = make_task(d.task, d.train_size, seed=job.seed, **kw)
-    seen = {r.prompt for r in records}
-    held = [r for r in make_task(d.task, 4 * d.eval_size + 64, seed=job.seed + 7919, **kw)
-            if r.prompt not in seen]  # held out: prompts the training set does not contain
-    return PromptDataset([], seed=job.seed, records=records), held[:d.eval_size]
+    # The held-out set is drawn first, from the task's own distribution; training prompts are
+    # drawn from another stream, without the held-out ones.
+    held = make_task(d.task, d.eval_size, seed=job.seed + 7919, **kw)
+    unseen = {r.prompt for r in held}
+    pool = make_task(d.task, d.train_size + 4 * d.eval_size, seed=job.seed, **kw)
+    records = [r for r in pool if r.prompt not in unseen][:d.train_size]
+    return PromptDataset([], seed=job.seed, records=records), held
 
 
 def make_engine(job: JobConfig, gpt, ctx, replay, tokenizer):

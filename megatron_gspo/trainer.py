@@ -15,7 +15,7 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -536,17 +536,19 @@ def save(run: Run, step: int) -> str:
     state = {"scheduler": run.scheduler.state_dict(), "data": run.train_data.state_dict(),
              "guard": run.guard.state_dict(), "updates": run.updates, "history": run.history,
              "config": job_to_dict(run.job)}
-    kill = None
-    if run.job.trainer.kill_during_save == step:
-        import signal
-
-        def kill():  # fault injection: die with the shards written, nothing committed
-            os.kill(os.getpid(), signal.SIGKILL)
     path = run.ckpt.save(step, model=run.gpt, optimizer=run.optimizer, state=state,
-                         before_commit=kill)
+                         before_commit=_kill if run.job.trainer.kill_during_save == step else None)
     if step == 0 and run.ref_model is not None:
         save_weights(run.ref_model, os.path.join(run.job.run_dir, "reference"), run.job.model)
     return path
+
+
+def _kill() -> None:
+    """Fault injection (``trainer.kill_during_save``): die with the shards written, nothing
+    committed."""
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def resume(run: Run) -> bool:

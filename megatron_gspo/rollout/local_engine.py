@@ -124,7 +124,6 @@ class LocalEngine:
         b = len(rows)
         p_len = self._agree(max(len(p) for _, p in rows), b)
         s_len = p_len + params.max_new_tokens
-        device = self.ctx.device
         tokens_BP = torch.full((b, p_len), self.pad_id, dtype=torch.long)
         valid_BS = torch.zeros(b, s_len, dtype=torch.bool)
         for r, (_, p) in enumerate(rows):

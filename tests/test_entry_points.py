@@ -40,7 +40,7 @@ def test_invalid_layout_fails_with_one_line(tmp_path):
                      "launch a multiple of tp*pp*cp ranks or shrink the layout"]
 
 
-SHORT_RUN = to_overrides(merge(SHORT, {"trainer": {"steps": 2}}))
+SHORT_RUN = to_overrides(merge(SHORT, {"trainer": {"steps": 2}, "logging": {"progress": True}}))
 
 
 def test_main_job_trains_and_checkpoints(tmp_path):
@@ -58,7 +58,7 @@ def test_multirun_sweep_gives_each_run_its_own_directory(tmp_path):
                                        "logging": {"drift": False}}))
     out = run("-m", *short, "seed=1,2", f"hydra.sweep.dir={tmp_path}", timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
-    for sub in ("0", "1"):
+    for sub in ("0-gspo-none-seed1", "1-gspo-none-seed2"):
         assert os.path.isfile(tmp_path / sub / "checkpoints" / "step_000001" / "MANIFEST.json")
 
 

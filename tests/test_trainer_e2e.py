@@ -16,6 +16,7 @@ ARMS = {
     "grpo": {"algo": {"name": "grpo"}},
     "grpo_r2": {"algo": {"name": "grpo"}, "replay": {"mode": "r2"}},
     "grpo_r3": {"algo": {"name": "grpo"}, "replay": {"mode": "r3"}},
+    "gspo_kl": {"algo": {"name": "gspo", "kl_coef": 0.05}},  # frozen reference model
 }
 
 REQUIRED_TAGS = ["train/loss", "train/clip_fraction", "train/ratio_mean", "train/ratio_min",
@@ -77,6 +78,14 @@ def test_first_minibatch_is_on_policy(arms, name):
         assert ratios[0] == 1.0 and clips[0] == 0.0, (name, r["step"], ratios, clips)
         # later mini-batches are off-policy: the policy moved
         assert any(x != 1.0 for x in ratios[1:]), (name, r["step"], ratios)
+
+
+def test_reference_model_gives_the_kl_term(arms):
+    run_dir, result = arms["gspo_kl"]
+    rows = [r for r in result["rows"] if "train/kl" in r]
+    assert all(r["train/kl"] > 0 for r in rows)  # the policy moves away from the reference
+    assert all(r["train/kl"] == 0 for r in arms["gspo"][1]["rows"] if "train/kl" in r)
+    assert os.path.isfile(os.path.join(run_dir, "reference", "model_config.json"))
 
 
 def test_expert_parallel_run_matches_one_rank(tmp_path):

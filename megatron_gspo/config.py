@@ -229,6 +229,8 @@ class RolloutConfig:
     sglang_urls: list = field(default_factory=list)  # servers (engine=sglang)
     sglang_router_url: Optional[str] = None
     weight_sync: str = "disk"  # sglang: disk | distributed | tensor
+    sglang_gpus_per_server: int = 8  # weight_sync=distributed: ranks each server adds to the group
+    weight_sync_port: int = 29600  # weight_sync=distributed: the trainer's (rank 0) store port
     return_routes: bool = False  # sglang: ask the servers for routed experts (R3, drift)
 
     def validate(self) -> "RolloutConfig":

@@ -59,6 +59,7 @@ class Run:
     signals: StopSignals
     drift: Any = None  # drift_probe.DriftProbe
     ref_model: Any = None
+    sync_group: Any = None  # weight_sync=distributed: the trainer-servers process group (rank 0)
     optimizer: Any = None
     scheduler: Any = None
     step: int = 0  # RL steps done
@@ -245,8 +246,18 @@ def sync_weights(run: Run) -> None:
         run.engine.update_weights(None)
         return
     r = run.job.rollout
+    if r.weight_sync == "distributed" and run.sync_group is None and run.ctx.rank == 0:
+        import socket
+
+        from megatron_gspo.rollout.sglang_engine import init_weights_update_group
+
+        # SGLang's servers join rank 0 of the trainer in one NCCL group for the broadcasts.
+        run.sync_group = init_weights_update_group(
+            run.engine, master_address=socket.getfqdn(), master_port=r.weight_sync_port,
+            engine_gpus=[r.sglang_gpus_per_server] * len(run.engine.clients))
     run.engine.sync_from_model(run.gpt, run.job.model, run.ctx, mode=r.weight_sync,
-                               disk_dir=os.path.join(run.job.run_dir, "weight_sync"))
+                               disk_dir=os.path.join(run.job.run_dir, "weight_sync"),
+                               group=run.sync_group)
 
 
 def evaluate(run: Run) -> float:

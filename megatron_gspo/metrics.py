@@ -12,7 +12,8 @@ TensorBoard tags written every RL step (``moe/`` tags: see ``moe.instrument``):
   ``rollout/logprob_mismatch`` (mean |engine - trainer| log-prob of response tokens)
 - ``eval/accuracy`` (held-out greedy accuracy, at evaluations)
 - ``perf/step_time_s``, ``perf/tokens_per_s`` (trained tokens / step time), and
-  ``perf/time/PHASE_s`` for rollout, reward, old_logprobs, update, weight_sync, checkpoint
+  ``perf/time/PHASE_s`` for rollout, reward, old_logprobs, update, weight_sync, checkpoint (the
+  last in TensorBoard only: the step's row is written before its checkpoint)
 - ``sft/loss`` during the supervised warm-up
 """
 

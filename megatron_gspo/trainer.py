@@ -79,14 +79,14 @@ def train(job: JobConfig) -> dict:
             metrics = rl_step(run, step)
             if job.trainer.eval_interval and step % job.trainer.eval_interval == 0:
                 metrics["eval/accuracy"] = evaluate(run)
+            run.logger.log(step, metrics)  # before the checkpoint: a resume never lacks this row
+            run.logger.bar(step, _summary(metrics))
             stop = run.signals.agreed()
             due = job.trainer.save_interval and step % job.trainer.save_interval == 0
             if stop or due or step == job.trainer.steps:
                 t0 = time.perf_counter()
                 path = save(run, step)
-                metrics["perf/time/checkpoint_s"] = time.perf_counter() - t0
-            run.logger.log(step, metrics)
-            run.logger.bar(step, _summary(metrics))
+                run.logger.scalar("perf/time/checkpoint_s", time.perf_counter() - t0, step)
             if stop:
                 stop_for_requeue(run, stop, path)
         run.history["accuracy_after_rl"] = evaluate(run)

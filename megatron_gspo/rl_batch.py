@@ -43,6 +43,12 @@ class RolloutBatch:
         return int(self.mask_BS.sum())
 
 
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (sequence lengths under sequence
+    parallelism, which splits the sequence over the TP ranks)."""
+    return -(-n // multiple) * multiple
+
+
 def row_width(samples: Sequence[Sample], group=None, multiple_of: int = 1) -> int:
     """Tokens fed per row: the widest prompt + response - 1 over every rank (one all-reduce), so
     that each rank pads its rows the same way, rounded up to ``multiple_of`` (the TP size under
@@ -52,7 +58,7 @@ def row_width(samples: Sequence[Sample], group=None, multiple_of: int = 1) -> in
     width = torch.tensor([max(len(s.prompt_ids) + len(s.response_ids) for s in samples)])
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
-    return -(-(int(width) - 1) // multiple_of) * multiple_of
+    return round_up(int(width) - 1, multiple_of)
 
 
 def build_batch(samples: Sequence[Sample], rewards_B: torch.Tensor, advantages_B: torch.Tensor, *,

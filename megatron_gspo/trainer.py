@@ -505,6 +505,7 @@ def sft(run: Run) -> None:
     """Supervised warm-up: next-token loss on the answers of the training prompts."""
     from megatron_gspo.optim import OptimConfig, build_optimizer
     from megatron_gspo.policy import sft_micro_batches, sft_update
+    from megatron_gspo.rl_batch import round_up
 
     t, ctx, tok = run.job.trainer, run.ctx, run.tokenizer
     optimizer = build_optimizer(run.ddp, ctx, OptimConfig(lr=t.sft_lr, clip_grad=t.clip_grad))
@@ -518,8 +519,7 @@ def sft(run: Run) -> None:
         width = torch.tensor([max(len(p) + len(a) + 1 for p, a in zip(prompts, answers))])
         if ctx.world_size > 1:  # one row width on every rank (expert-parallel collectives)
             dist.all_reduce(width, op=dist.ReduceOp.MAX)
-        multiple = ctx.tp if ctx.sequence_parallel else 1  # fed tokens: width - 1
-        width = -(-(int(width) - 1) // multiple) * multiple + 1
+        width = round_up(int(width) - 1, ctx.tp if ctx.sequence_parallel else 1) + 1  # fed + 1
         mbs = sft_micro_batches(prompts, answers, eos_id=tok.eos_id, pad_id=tok.pad_id,
                                 size=t.micro_batch_size, width=width)
         tokens = torch.tensor([float(mb.loss_mask_BS.sum()) for mb in mbs]).sum().reshape(1)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import base64
 import html
-import io
 import json
 import os
 import sys
@@ -112,20 +111,13 @@ def summary(run: dict) -> dict:
     }
 
 
-def _png(fig) -> str:
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
 def build(runs: list[dict], png_dir: Optional[str] = None) -> tuple[str, list]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from moe.report import _png
 
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     fig, axes = plt.subplots(3, 2, figsize=(12, 11))

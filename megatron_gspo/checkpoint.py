@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_gspo import comm
 from megatron_gspo.parallel import ParallelContext
 
 LATEST = "latest"
@@ -52,13 +53,11 @@ def _sub_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def optimizer_has_state(optimizer) -> bool:
-    """Whether any sub-optimizer has taken a step (has moments to save); the same on every rank."""
+def optimizer_has_state(optimizer, device: torch.device) -> bool:
+    """Whether any sub-optimizer has taken a step (has moments to save); the same on every rank
+    (a collective over the world, on ``device``)."""
     local = any(len(getattr(o, "optimizer", o).state) for o in _sub_optimizers(optimizer))
-    flag = torch.tensor([1.0 if local else 0.0])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag)
+    return comm.any_rank(local, device=device)
 
 
 def optimizer_signature(optimizer) -> list:
@@ -79,7 +78,9 @@ def _sharding_metadata(ctx: ParallelContext) -> dict:
 def _prepare_optimizer(optimizer, ctx: ParallelContext, loading: bool) -> None:
     """On CPU the data-parallel groups are gloo groups already: megatron's gloo-gather path reads
     them as ``data_parallel_group_gloo``. Loading into torch's Adam (no TE / apex) needs its state
-    allocated first, which megatron does with a zero-gradient step."""
+    allocated first, which megatron does with a zero-gradient step. That step sets every Adam
+    ``step`` to 1: only do it (``loading``) when the checkpoint's moments and steps will overwrite
+    it, else a fresh optimizer would start one step ahead (smaller bias-corrected first update)."""
     for opt in _sub_optimizers(optimizer):
         if not hasattr(opt, "data_parallel_group"):
             continue  # not a distributed optimizer
@@ -187,7 +188,7 @@ class CheckpointManager:
         _writer_results_queue()
         model_sd = model.sharded_state_dict()
         sharded = {"model": model_sd}
-        has_optimizer = optimizer_has_state(optimizer)  # a fresh optimizer (step 0) has none
+        has_optimizer = optimizer_has_state(optimizer, self.ctx.device)  # a fresh optimizer (step 0) has none
         if has_optimizer:
             sharded["optimizer"] = optimizer.sharded_state_dict(
                 model_sd, is_loading=False, metadata=_sharding_metadata(self.ctx))
@@ -266,7 +267,9 @@ class CheckpointManager:
         saved_optimizer = state.get("has_optimizer", True)
         same_optimizer = (saved_optimizer
                           and state.get("optimizer_signature") == optimizer_signature(optimizer))
-        _prepare_optimizer(optimizer, self.ctx, loading=True)
+        # Dummy states only when the checkpoint's optimizer state replaces them: a checkpoint
+        # without one (step 0, or another split) must leave the optimizer fresh (no Adam step).
+        _prepare_optimizer(optimizer, self.ctx, loading=same_optimizer)
         model_sd = model.sharded_state_dict()
         sharded = {"model": model_sd}
         if same_optimizer:

@@ -37,7 +37,12 @@ class ModelConfig:
     num_experts: int = 8  # 0 makes every layer dense
     top_k: int = 2
     norm_topk_prob: bool = True
-    aux_loss_coeff: float = 1e-3
+    aux_loss_coeff: float = 1e-3  # load-balancing loss of pretraining (used by the SFT warm-up)
+    router_score_function: str = "softmax"  # softmax (Qwen3-MoE) | sigmoid
+    # Aux-loss-free balancing (DeepSeek-V3): a per-expert routing bias nudged after every update
+    # towards equal load; needs router_score_function=sigmoid (Megatron's implementation).
+    router_expert_bias: bool = False
+    router_bias_update_rate: float = 1e-3
     first_k_dense: int = 0  # leading dense layers (HF "mlp_only_layers" = [0 .. k-1])
     shared_expert_ffn_hidden_size: int = 0  # 0: no shared expert
     rms_norm_eps: float = 1e-6
@@ -79,6 +84,15 @@ class ModelConfig:
             if not 0 <= self.first_k_dense < self.num_layers:
                 raise _err("model.first_k_dense", self.first_k_dense,
                            f"must be in [0, num_layers={self.num_layers})", "keep at least one MoE layer")
+        if self.router_score_function not in ("softmax", "sigmoid"):
+            raise _err("model.router_score_function", self.router_score_function, "is unknown",
+                       "use softmax or sigmoid")
+        if self.router_expert_bias and self.router_score_function != "sigmoid":
+            raise _err("model.router_expert_bias", True, "Megatron's aux-loss-free expert bias "
+                       "needs sigmoid router scores", "set model.router_score_function=sigmoid")
+        if self.aux_loss_coeff < 0:
+            raise _err("model.aux_loss_coeff", self.aux_loss_coeff, "must be >= 0",
+                       "use 0 to disable")
         if self.params_dtype not in ("float32", "bfloat16"):
             raise _err("model.params_dtype", self.params_dtype, "is not supported",
                        "use float32 or bfloat16")
@@ -158,9 +172,6 @@ class ParallelConfig:
             if getattr(model, key) % self.tp:
                 raise _err("parallel.tp", self.tp, f"does not divide model.{key}={getattr(model, key)}",
                            f"choose tp dividing model.{key}")
-        if self.cp > 1 and device_type == "cpu":
-            raise _err("parallel.cp", self.cp, "context-parallel attention needs Transformer Engine "
-                       "on GPU", "set parallel.cp=1 on CPU")
         return dp
 
 
@@ -181,6 +192,12 @@ class AlgoConfig:
     entropy_coef: float = 0.0
     minibatches: int = 4  # policy updates per rollout batch (the paper: 4; later ones off-policy)
     scale_advantages: bool = True  # divide by the group's reward std
+    # MoE router losses during RL (the warm-up uses model.aux_loss_coeff). Default 0: GSPO's
+    # objective has no such term, its gradient does not scale with the advantages (it would
+    # dominate the small clipped GSPO updates), and under R2 / R3 it would push routers that
+    # the replayed routes override. Response tokens only (never prompt or padding) when on.
+    aux_loss_coeff: float = 0.0  # load-balancing loss (Switch-style, per micro-batch)
+    z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
     old_logprobs: str = "recompute"  # recompute (trainer's pass on the old policy) | engine
 
     def validate(self) -> "AlgoConfig":
@@ -192,6 +209,9 @@ class AlgoConfig:
             raise _err("algo.minibatches", self.minibatches, "must be >= 1", "use 1 for on-policy")
         if self.old_logprobs not in ("recompute", "engine"):
             raise _err("algo.old_logprobs", self.old_logprobs, "is unknown", "use recompute or engine")
+        for key in ("aux_loss_coeff", "z_loss_coeff"):
+            if getattr(self, key) < 0:
+                raise _err(f"algo.{key}", getattr(self, key), "must be >= 0", "use 0 to disable")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise _err("algo.kl_coef" if self.kl_coef < 0 else "algo.entropy_coef",
                        min(self.kl_coef, self.entropy_coef), "must be >= 0", "use 0 to disable")

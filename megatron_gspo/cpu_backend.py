@@ -314,6 +314,39 @@ def _adam_step_active() -> bool:
     return getattr(DistributedOptimizer._set_main_param_and_optimizer_states, "_cpu_adapted", False)
 
 
+def _rope_cp_needed() -> bool:
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return ".cuda(" in inspect.getsource(rope_utils.get_pos_emb_on_this_cp_rank)
+
+
+def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """Megatron's slice of the RoPE table for this context-parallel rank (chunks r and 2cp-1-r of
+    2cp), with the index on the table's device instead of a pinned host tensor sent to CUDA."""
+    cp, rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([rank, 2 * cp - rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
+_ROPE_CP_USERS = ("megatron.core.models.common.embeddings.rotary_pos_embedding",
+                  "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding")
+
+
+def _rope_cp_apply() -> None:
+    """RoPE under context parallelism builds its chunk index with ``pin_memory=True`` and
+    ``.cuda()``, which a CPU-only torch rejects; the modules that imported the function by name
+    get the device-neutral twin above."""
+    for name in _ROPE_CP_USERS:
+        importlib.import_module(name).get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+
+
+def _rope_cp_active() -> bool:
+    return all(importlib.import_module(name).get_pos_emb_on_this_cp_rank
+               is get_pos_emb_on_this_cp_rank for name in _ROPE_CP_USERS)
+
+
 # ---------------------------------------------------------------------------------------------
 # The registry.
 # ---------------------------------------------------------------------------------------------
@@ -383,6 +416,8 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
               "DDP grad buffers are allocated on current_device()"),
     _redirect("megatron.core.distributed.distributed_data_parallel",
               "DDP bookkeeping tensors on current_device()"),
+    Adaptation("rope_context_parallel_slice", "RoPE's context-parallel slice sends a pinned host "
+               "index to CUDA", _rope_cp_needed, _rope_cp_apply, _rope_cp_active),
     Adaptation("clip_grad_by_total_norm_fp32", "megatron asserts grads are torch.cuda.FloatTensor "
                "whenever clip_grad > 0", _clip_needed, _clip_apply, _clip_active),
     Adaptation("distributed_optimizer_param_types", "DistributedOptimizer groups params by CUDA "

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import os
 
+import torch
+
+from megatron_gspo.rl_batch import router_view
 from moe.instrument import (DriftLog, drift_between, expert_load, local_layers_of,
                             num_moe_layers)
 
@@ -35,7 +38,14 @@ class DriftProbe:
 
     def _between(self, a, b) -> dict:
         return drift_between(a, b, local_layers=self.layers, num_moe_layers=self.num_layers,
-                             pp_group=self.ctx.pp_group)
+                             pp_group=self.ctx.pp_group, device=self.ctx.device,
+                             counted=self._counted)
+
+    @property
+    def _counted(self) -> bool:
+        """Only data-parallel rank 0's first micro-batch is measured (its tensor, pipeline and
+        context-parallel ranks together hold all of it): the same tokens on every layout."""
+        return self.ctx.dp_rank == 0
 
     def before_updates(self, run, batch, mbs0, rows0, routes, step: int) -> dict:
         """Routes of the first micro-batch on the old policy; rollout/train drift and load.
@@ -45,15 +55,16 @@ class DriftProbe:
         else:  # R3 replayed the engine's routes: record the trainer's own
             before = self._natural_routes(run, mbs0)
         self._valid = _router_mask(batch, rows0, self.ctx)
-        before = _keep(before, self._valid)
+        before = _keep(before, self._valid, self.ctx.device)
         self._before = before
         out = {}
         load = expert_load(before, local_layers=self.layers, num_moe_layers=self.num_layers,
-                           num_experts=self.job.model.num_experts)
+                           num_experts=self.job.model.num_experts, device=self.ctx.device,
+                           counted=self._counted)
         self.log.load(step, load)
         out["moe/load/max_share"] = float(load["share"].max())
         if batch.routes is not None:
-            engine = _keep(run_targets(run, batch, rows0), self._valid)
+            engine = _keep(run_targets(run, batch, rows0), self._valid, self.ctx.device)
             m = self._between(engine, before)
             self.log.drift(step, "rollout_train", m)
             out["moe/drift/rollout_train/mean"] = float(m["changed_fraction"])
@@ -61,7 +72,7 @@ class DriftProbe:
         return out
 
     def after_first_update(self, run, mbs0, step: int) -> dict:
-        after = _keep(self._natural_routes(run, mbs0), self._valid)
+        after = _keep(self._natural_routes(run, mbs0), self._valid, self.ctx.device)
         m = self._between(self._before, after)
         self.log.drift(step, "update", m)
         return {"moe/drift/update/mean": float(m["changed_fraction"]),
@@ -89,15 +100,11 @@ def run_targets(run, batch, rows: list) -> list:
 def _router_mask(batch, rows: list, ctx):
     """[N] True for the real (not padding) tokens of ``rows``, in the order this rank's routers
     see them."""
-    import torch
-
-    from moe.records import rank_targets
-
     valid_BS = torch.arange(batch.width)[None] < batch.lengths_B[torch.tensor(rows), None]
-    return rank_targets(valid_BS[:, :, None, None].long(), layers=[0], tp=ctx.tp,
-                        tp_rank=ctx.tp_rank, sequence_parallel=ctx.sequence_parallel)[0][:, 0].bool()
+    return router_view(valid_BS[:, :, None, None].long(), [0], ctx)[0][:, 0].bool()
 
 
-def _keep(routes: list, valid_N) -> list:
-    """The routes of one forward (per local layer [N, K]) restricted to the valid tokens."""
-    return [[layer[valid_N] for layer in forward] for forward in routes]
+def _keep(routes: list, valid_N, device) -> list:
+    """The routes of one forward (per local layer [N, K]) restricted to the valid tokens, on the
+    run's device."""
+    return [[layer.to(device)[valid_N.to(device)] for layer in forward] for forward in routes]

@@ -18,7 +18,8 @@ import signal
 from typing import Optional
 
 import torch
-import torch.distributed as dist
+
+from megatron_gspo import comm
 
 REQUEUE_EXIT_CODE = 75
 CONFIG_EXIT_CODE = 2
@@ -67,12 +68,11 @@ class StopSignals:
         if callable(previous):
             previous(self.received, None)
 
-    def agreed(self) -> Optional[str]:
-        """The signal's name if any rank has received one (a collective: every rank calls)."""
-        flag = torch.tensor([self.received or 0], dtype=torch.int64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return signal.Signals(int(flag)).name if int(flag) else None
+    def agreed(self, device: torch.device) -> Optional[str]:
+        """The signal's name if any rank has received one (a collective over the world: every
+        rank calls)."""
+        signum = comm.reduce_max_int(self.received or 0, device=device)
+        return signal.Signals(signum).name if signum else None
 
 
 class NonFiniteGuard:
@@ -102,16 +102,9 @@ class NonFiniteGuard:
         self.skipped, self.consecutive = int(state["skipped"]), int(state["consecutive"])
 
 
-def all_finite(loss: Optional[torch.Tensor], grad_buffers: list) -> bool:
-    """True when the loss and every local gradient are finite on every rank (a collective)."""
-    bad = 0.0
-    if loss is not None and not bool(torch.isfinite(loss).all()):
-        bad = 1.0
-    for buf in grad_buffers:
-        if not bool(torch.isfinite(buf).all()):
-            bad = 1.0
-            break
-    flag = torch.tensor([bad])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return float(flag) == 0.0
+def all_finite(loss: Optional[torch.Tensor], grad_buffers: list, *, device: torch.device) -> bool:
+    """True when the loss and every local gradient are finite on every rank (a collective over
+    the world)."""
+    local = all(bool(torch.isfinite(t).all()) for t in ([loss] if loss is not None else [])
+                + list(grad_buffers))
+    return comm.all_ranks(local, device=device)

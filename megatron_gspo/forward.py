@@ -1,18 +1,31 @@
 """Pipeline-aware forward (and backward) of a GPTModel over micro-batches.
 
 Every layout goes through Megatron's ``get_forward_backward_func``, so the same call runs without
-pipelining and with 1F1B pipeline schedules. Shapes: ``B`` micro-batch size, ``S`` sequence length.
+pipelining and with 1F1B pipeline schedules. Under context parallelism each rank feeds its zigzag
+share of every micro-batch (``MicroBatch.for_cp_rank``) and the loss function sees that share.
+Shapes: ``B`` micro-batch size, ``S`` sequence length, ``C`` tokens this CP rank holds of a row.
 """
 
 from __future__ import annotations
 
 import functools
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from megatron_gspo import comm
 from megatron_gspo.parallel import ParallelContext
+from megatron_gspo.seqshard import packed_zigzag_index, zigzag_index
+
+# Per-token fields of a micro-batch ([B, S]); context parallelism splits each of them.
+_TOKEN_FIELDS = ("tokens_BS", "targets_BS", "position_ids_BS", "old_logp_BS", "loss_mask_BS",
+                 "ref_logp_BS")
 
 
 @dataclass
@@ -27,14 +40,13 @@ class MicroBatch:
     loss_mask_BS: Optional[torch.Tensor] = None
     advantages_B: Optional[torch.Tensor] = None
     ref_logp_BS: Optional[torch.Tensor] = None  # reference policy, for the KL term
-    # Packed sequences (B = 1, THD): cumulative sequence lengths of the row.
+    # Packed sequences (B = 1, THD): cumulative sequence lengths of the whole row (also on a
+    # context-parallel share, as Megatron's attention and RoPE expect them).
     cu_seqlens: Optional[torch.Tensor] = None
 
     def packed_seq_params(self):
         if self.cu_seqlens is None:
             return None
-        from megatron.core.packed_seq_params import PackedSeqParams
-
         longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
         cu = self.cu_seqlens.to(torch.int32)
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
@@ -46,19 +58,48 @@ class MicroBatch:
         b, s = self.tokens_BS.shape
         return torch.arange(s, device=self.tokens_BS.device).expand(b, s)
 
+    def cp_index(self, cp: int, rank: int) -> torch.Tensor:
+        """[C] positions of the row that context-parallel rank ``rank`` holds: Megatron's zigzag
+        (chunks r and 2cp-1-r of 2cp), per sequence for a packed row."""
+        if self.cu_seqlens is not None:
+            return packed_zigzag_index(self.cu_seqlens.long(), cp, rank)
+        return zigzag_index(self.tokens_BS.shape[1], cp, rank)
 
-# loss_fn(micro_batch, logits_BSV) -> (scalar loss, metrics dict); runs on the last stage only.
-# Each micro-batch's loss is its share of the batch loss: the batch loss is their sum.
+    def for_cp_rank(self, cp: int, rank: int) -> "MicroBatch":
+        """This rank's share: every per-token field at ``cp_index`` (position ids made explicit,
+        so that they stay global); per-row fields and ``cu_seqlens`` unchanged."""
+        if cp == 1:
+            return self
+        index = self.cp_index(cp, rank)
+        fields = {name: getattr(self, name) for name in _TOKEN_FIELDS}
+        fields["position_ids_BS"] = self.positions()
+        sliced = {k: None if v is None else v[:, index] for k, v in fields.items()}
+        adv = self.advantages_B
+        if adv is not None and adv.dim() == 2:  # per-token advantages
+            adv = adv[:, index]
+        return dataclasses.replace(self, **sliced, advantages_B=adv)
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        return dataclasses.replace(self, **{
+            f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+            if torch.is_tensor(getattr(self, f.name))})
+
+
+# loss_fn(micro_batch, logits_BCV) -> (scalar loss, metrics dict); runs on the last stage only,
+# on this context-parallel rank's share of the micro-batch. Each micro-batch's loss is its share
+# of the rank's loss (their sum); Megatron's DDP averages the ranks' gradients over data-parallel
+# ranks. Context-parallel ranks return the same (complete) loss, whose gradient flows through
+# each rank's own tokens only: Megatron's x cp on the loss and its average over data x
+# context-parallel ranks then sum the CP ranks' gradients exactly once.
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple]
 
 
 def forward_backward(gpt, micro_batches: list[MicroBatch], ctx: ParallelContext, loss_fn: LossFn,
-                     *, forward_only: bool = False) -> list[dict]:
+                     *, forward_only: bool = False, aux_mask: bool = False) -> list[dict]:
     """Run all micro-batches through ``gpt``; returns each micro-batch's metrics on the last stage
     (an empty list elsewhere). Gradients accumulate in ``.grad`` / ``.main_grad`` unless
-    ``forward_only``."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
+    ``forward_only``. With ``aux_mask``, the MoE routers' auxiliary losses see only the tokens
+    whose next token is in the loss (``loss_mask_BS`` > 0), never padding or prompt tokens."""
     n_mb = len(micro_batches)
 
     def summed(mb, logits):
@@ -66,37 +107,44 @@ def forward_backward(gpt, micro_batches: list[MicroBatch], ctx: ParallelContext,
         return loss * n_mb, metrics  # Megatron divides each micro-batch's loss by their number
 
     def step(data_iter, model):
-        mb = next(data_iter)
-        logits = model(mb.tokens_BS.to(ctx.device), mb.positions().to(ctx.device),
-                       attention_mask=None, packed_seq_params=mb.packed_seq_params())
+        mb = next(data_iter).for_cp_rank(ctx.cp, ctx.cp_rank).to(ctx.device)
+        padding = _aux_padding(mb, ctx) if aux_mask and mb.loss_mask_BS is not None else None
+        logits = model(mb.tokens_BS, mb.positions(), attention_mask=None,
+                       packed_seq_params=mb.packed_seq_params(), padding_mask=padding)
         return logits, functools.partial(summed, mb)
 
     b, s = micro_batches[0].tokens_BS.shape
     run = get_forward_backward_func(pp_size=ctx.pp)
     extra = {}
     if ctx.pp > 1:  # the pipelined schedule takes its p2p communicator explicitly with the groups
-        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
         extra["p2p_communicator"] = P2PCommunicator(ctx.pp_group, gpt.config)
+    # seq_length is the whole row: the pipelined schedules divide it by cp (and tp under SP).
     return run(forward_step_func=step, data_iterator=iter(micro_batches), model=[gpt],
                num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b,
                forward_only=forward_only, pg_collection=ctx.pg, **extra)
 
 
+def _aux_padding(mb: MicroBatch, ctx: ParallelContext) -> torch.Tensor:
+    """[B, C] True where a token is left out of the routers' auxiliary losses. Megatron splits the
+    mask for sequence parallelism on the first pipeline stage only; later stages get their share
+    here."""
+    padding = mb.loss_mask_BS <= 0
+    if ctx.sequence_parallel and not ctx.is_first_stage:
+        s = padding.shape[1] // ctx.tp
+        padding = padding[:, ctx.tp_rank * s:(ctx.tp_rank + 1) * s]
+    return padding.contiguous()
+
+
 def last_stage_metrics(out: list[dict], ctx: ParallelContext,
                        combine: Callable[[list[dict]], dict]) -> dict:
     """Combine the last stage's per-micro-batch metrics with ``combine`` and broadcast the result
-    to every pipeline stage, so that all ranks log and agree on the same numbers."""
-    import torch.distributed as dist
-
+    (on the run's device) to every pipeline stage, so that all ranks agree on the same numbers."""
     combined = combine(out) if out else {}
-    if ctx.pp == 1:
-        return combined
     last = dist.get_global_rank(ctx.pp_group, ctx.pp - 1)
     holder = [sorted(combined)]
     dist.broadcast_object_list(holder, src=last, group=ctx.pp_group)
     keys = holder[0]
-    values = (torch.stack([combined[k].detach().double().reshape(()) for k in keys]) if combined
-              else torch.zeros(len(keys), dtype=torch.float64))
-    dist.broadcast(values, src=last, group=ctx.pp_group)
+    values = (torch.stack([combined[k].detach().double().reshape(()).to(ctx.device) for k in keys])
+              if combined else torch.zeros(len(keys), dtype=torch.float64, device=ctx.device))
+    comm.broadcast_tensor(values, src_in_group=ctx.pp - 1, group=ctx.pp_group)
     return dict(zip(keys, values))

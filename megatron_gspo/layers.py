@@ -1,17 +1,24 @@
 """Local (non-Transformer-Engine) layer pieces for the Qwen3-MoE layer spec.
 
 Shapes: ``S`` sequence, ``B`` batch, ``N`` attention heads on this rank, ``G`` query groups on this
-rank, ``D`` head dim, ``T`` packed tokens.
+rank, ``D`` head dim, ``T`` packed tokens, ``Q`` this context-parallel rank's query positions,
+``K`` key positions (all of them under context parallelism).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from typing import Optional
 
 import torch
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+
+from megatron_gspo.seqshard import packed_zigzag_index, zigzag_index
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -35,12 +42,59 @@ def packed_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return same & (positions[None, :] <= positions[:, None])
 
 
+def zigzag_causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor,
+                       segment_q: Optional[torch.Tensor] = None,
+                       segment_k: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[Q, K] bool mask (True = may attend) in global positions: a query at position p sees keys
+    at positions <= p (of its own sequence, when packed), in whatever order the keys come."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if segment_q is not None:
+        mask &= segment_q[:, None] == segment_k[None, :]
+    return mask
+
+
 class SDPAttention(DotProductAttention):
     """Core attention through ``torch.nn.functional.scaled_dot_product_attention``.
 
     Flash / memory-efficient kernels on GPU, an exact math kernel on CPU, GQA without materialising
     repeated K/V, causal, bottom-right causal (decoding with a KV cache) and packed (THD) masks.
+
+    Context parallelism (Megatron's ``all_gather`` CP communication type): each rank holds the
+    zigzag chunks r and 2cp-1-r of every sequence; K and V are all-gathered over the CP group
+    (the backward reduce-scatters their gradients) and the mask is the causal rule in global
+    positions. Megatron's local DotProductAttention refuses cp > 1, so the parent is built with a
+    copy of the config that says cp = 1.
     """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None):
+        local = copy.copy(config)
+        local.context_parallel_size = 1
+        super().__init__(local, layer_number, attn_mask_type, attention_type,
+                         attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        self.config = config
+        self.cp_group = getattr(pg_collection, "cp", None) if config.context_parallel_size > 1 else None
+        self.context_parallel = self.cp_group is not None  # off while decoding (see below)
+
+    def _gather_keys(self, key, value, packed_seq_params):
+        """K and V of every CP rank along the sequence dim, and masks' global positions."""
+        cp, rank = self.cp_group.size(), self.cp_group.rank()
+        keys = torch.cat(dist_nn.all_gather(key.contiguous(), group=self.cp_group), dim=0)
+        values = torch.cat(dist_nn.all_gather(value.contiguous(), group=self.cp_group), dim=0)
+        device = key.device
+        if packed_seq_params is not None:
+            cu = packed_seq_params.cu_seqlens_q.to(device=device, dtype=torch.long)
+            q_pos = packed_zigzag_index(cu, cp, rank).to(device)
+            k_pos = torch.cat([packed_zigzag_index(cu, cp, r).to(device) for r in range(cp)])
+            seg = lambda pos: torch.searchsorted(cu[1:], pos, right=True)  # noqa: E731
+            return keys, values, zigzag_causal_mask(q_pos, k_pos, seg(q_pos), seg(k_pos))
+        total = key.shape[0] * cp
+        q_pos = zigzag_index(total, cp, rank, device=device)
+        k_pos = torch.cat([zigzag_index(total, cp, r, device=device) for r in range(cp)])
+        return keys, values, zigzag_causal_mask(q_pos, k_pos)
 
     def forward(self, query, key, value, attention_mask: Optional[torch.Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None, attention_bias=None,
@@ -50,15 +104,21 @@ class SDPAttention(DotProductAttention):
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if thd:  # [T, N, D] -> [T, 1, N, D]
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        mask, is_causal = None, False
+        if self.context_parallel:
+            if attention_mask is not None:
+                raise ValueError("context-parallel attention takes no attention mask (causal only)")
+            key, value, mask = self._gather_keys(key, value, packed_seq_params if thd else None)
         sq, b, n, d = query.shape
         sk, g = key.shape[0], key.shape[2]
         q_BNSD = query.permute(1, 2, 0, 3)
         k_BGSD = key.permute(1, 2, 0, 3)
         v_BGSD = value.permute(1, 2, 0, 3)
 
-        mask, is_causal = None, False
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        if thd:
+        if mask is not None:
+            pass
+        elif thd:
             mask = packed_causal_mask(packed_seq_params.cu_seqlens_q, sq)
         elif attention_mask is not None:
             mask = ~attention_mask.bool()  # Megatron: True = masked out; SDPA: True = attend
@@ -74,3 +134,31 @@ class SDPAttention(DotProductAttention):
             scale=self.softmax_scale, enable_gqa=(n != g))
         out = out_BNSD.permute(2, 0, 1, 3).reshape(sq, b, n * d)
         return out.squeeze(1) if thd else out
+
+
+@contextlib.contextmanager
+def context_parallel_disabled(gpt):
+    """Run ``gpt`` on whole sequences on every context-parallel rank (decoding with a KV cache,
+    which feeds one token per row and cannot be split): attention stops gathering over the CP
+    group and RoPE stops slicing its table for this rank. A no-op when the model has no CP."""
+    attentions = [m for m in gpt.modules() if isinstance(m, SDPAttention) and m.context_parallel]
+    ropes = [m for m in gpt.modules() if isinstance(m, RotaryEmbedding)]
+    saved = [r.cp_group for r in ropes]
+    if not attentions:
+        yield
+        return
+    # RotaryEmbedding.forward is lru_cached on its arguments, not on ``cp_group``: clear it on
+    # both switches so that no sliced table is served to a whole-sequence forward or vice versa.
+    RotaryEmbedding.forward.cache_clear()
+    for a in attentions:
+        a.context_parallel = False
+    for r in ropes:
+        r.cp_group = None
+    try:
+        yield
+    finally:
+        RotaryEmbedding.forward.cache_clear()
+        for a in attentions:
+            a.context_parallel = True
+        for r, group in zip(ropes, saved):
+            r.cp_group = group

@@ -23,7 +23,9 @@ import torch.distributed as dist
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
+    """All-reduce over the vocab-parallel group; ``group=None`` is a local (pure) call. A group of
+    one rank is reduced over all the same: one GPU runs the code path of many."""
+    if group is not None:
         dist.all_reduce(t, op=op, group=group)
     return t
 
@@ -68,7 +70,7 @@ def _chunk_backward(x_CV, target_C, lse_C, grad_logp_C, ent_C, grad_ent_C, vocab
 
 
 def _vocab_start(group, vocab_shard: int) -> int:
-    rank = dist.get_rank(group) if group is not None and dist.get_world_size(group) > 1 else 0
+    rank = dist.get_rank(group) if group is not None else 0
     return rank * vocab_shard
 
 

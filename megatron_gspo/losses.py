@@ -138,7 +138,7 @@ def _finish(per_seq_S, stats, weight, opts: LossOptions, metrics: dict):
     else:
         value_S = terms
         default_norm = (weight * count).sum()
-    norm = default_norm if opts.normalizer is None else torch.as_tensor(opts.normalizer)
+    norm = default_norm if opts.normalizer is None else count.new_tensor(opts.normalizer)
     norm = torch.clamp(norm.to(count.dtype), min=1.0)
     contrib_S = weight * value_S.detach() + (value_S - value_S.detach())
     loss = contrib_S.sum() / norm
@@ -159,8 +159,8 @@ def _ratio_metrics(ratio, keep, weight_or_mask, reducer: SequenceReducer, over_s
     total = w.sum()
     mean = (w * ratio).sum() / total.clamp_min(1e-12)
     big = torch.finfo(ratio.dtype).max
-    hi = torch.where(keep, ratio, -big).max() if ratio.numel() else torch.tensor(-big)
-    lo = torch.where(keep, ratio, big).min() if ratio.numel() else torch.tensor(big)
+    hi = torch.where(keep, ratio, -big).max() if ratio.numel() else ratio.new_tensor(-big)
+    lo = torch.where(keep, ratio, big).min() if ratio.numel() else ratio.new_tensor(big)
     if over_shards:
         hi, neg_lo = reducer.max(torch.stack([hi.detach(), -lo.detach()]))
         lo = -neg_lo
@@ -277,29 +277,44 @@ def sequence_totals(algo: str, shards: list[TokenShard], *, reducer=None, clip_l
 _SEQUENCE_LEVEL = {"gspo": {"clip_fraction", "ratio_mean"}, "gspo_token": set(), "grpo": set()}
 
 
+def metric_kind(algo: str, key: str) -> str:
+    """How a loss metric combines over micro-batches and ranks: ``sum`` (the loss is the sum of
+    shares; counts), ``min`` / ``max`` (ratio extremes), or the name of the count that weights
+    its mean (``num_seqs`` or ``num_tokens``)."""
+    if key in ("loss", "num_seqs", "num_tokens"):
+        return "sum"
+    if key in ("ratio_min", "ratio_max"):
+        return key[-3:]
+    return "num_seqs" if key in _SEQUENCE_LEVEL[algo] else "num_tokens"
+
+
 def combine_metrics(algo: str, parts: list[dict]) -> dict:
     """A batch's metrics from its micro-batches': sums for the loss (each micro-batch returns its
     share) and counts, min / max for the ratio extremes, weighted means for the rest."""
     out = {}
     for key in parts[0]:
         values = torch.stack([p[key] for p in parts])
-        if key in ("loss", "num_seqs", "num_tokens"):
+        kind = metric_kind(algo, key)
+        if kind == "sum":
             out[key] = values.sum()
-        elif key == "ratio_min":
+        elif kind == "min":
             out[key] = values.min()
-        elif key == "ratio_max":
+        elif kind == "max":
             out[key] = values.max()
         else:
-            weight = torch.stack([p["num_seqs" if key in _SEQUENCE_LEVEL[algo] else "num_tokens"]
-                                  for p in parts])
+            weight = torch.stack([p[kind] for p in parts])
             out[key] = (weight * values).sum() / weight.sum().clamp_min(1e-12)
     return out
 
 
 def policy_loss(algo: str, logprobs, old_logprobs, advantages, mask, *, clip_low=None,
-                clip_high=None, ref_logprobs=None, entropy=None, **options):
+                clip_high=None, ref_logprobs=None, entropy=None,
+                reducer: Optional[SequenceReducer] = None, **options):
     """Loss for a padded batch: logprobs, old_logprobs, mask [B, T] (mask 1 on response tokens),
-    advantages [B] (or [B, T] for gspo_token / grpo). Returns ``(loss, metrics)``."""
+    advantages [B] (or [B, T] for gspo_token / grpo). Under context parallelism T is this rank's
+    share of every row and ``reducer`` completes the rows' sums over the group. Returns
+    ``(loss, metrics)``."""
     shard = TokenShard.from_dense(logprobs, old_logprobs, advantages, mask, ref_logp_BT=ref_logprobs,
                                   entropy_BT=entropy)
-    return shard_policy_loss(algo, shard, clip_low=clip_low, clip_high=clip_high, **options)
+    return shard_policy_loss(algo, shard, reducer=reducer, clip_low=clip_low, clip_high=clip_high,
+                             **options)

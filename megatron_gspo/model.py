@@ -25,12 +25,16 @@ def transformer_config(model: ModelConfig, ctx: ParallelContext, **overrides):
             num_moe_experts=model.num_experts,
             moe_ffn_hidden_size=model.moe_ffn_hidden_size,
             moe_router_topk=model.top_k,
-            moe_router_score_function="softmax",
+            moe_router_score_function=model.router_score_function,
             # Megatron's "softmax after top-k" equals HF's normalised top-k probabilities;
             # "pre-softmax" (softmax over all experts, then top-k) equals norm_topk_prob=False.
             moe_router_pre_softmax=not model.norm_topk_prob,
-            moe_router_load_balancing_type="aux_loss" if model.aux_loss_coeff > 0 else "none",
+            # Always the aux-loss router: the coefficient (0 = off) is set per phase at run time
+            # (megatron_gspo.router_losses); the warm-up starts with the model's own.
+            moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=model.aux_loss_coeff,
+            moe_router_enable_expert_bias=model.router_expert_bias,
+            moe_router_bias_update_rate=model.router_bias_update_rate,
             moe_router_dtype="fp32",
             moe_layer_freq=model.moe_layer_pattern,
             moe_token_dispatcher_type=cpu_backend.moe_dispatcher(ctx.device),

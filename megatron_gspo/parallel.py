@@ -66,6 +66,11 @@ class ParallelContext:
         return self.pg.dp
 
     @property
+    def dp_cp_group(self):
+        """Data x context-parallel ranks: every rank that holds a distinct part of the batch."""
+        return self.pg.dp_cp
+
+    @property
     def ep_group(self):
         return self.pg.ep
 

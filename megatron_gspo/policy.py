@@ -15,20 +15,23 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_gspo import comm, router_losses
 from megatron_gspo.config import AlgoConfig
 from megatron_gspo.faults import NonFiniteGuard, all_finite
 from megatron_gspo.forward import MicroBatch, forward_backward, last_stage_metrics
 from megatron_gspo.logprobs import token_logprobs
-from megatron_gspo.losses import combine_metrics, policy_loss
+from megatron_gspo.losses import combine_metrics, metric_kind, policy_loss
 from megatron_gspo.optim import zero_grads
 from megatron_gspo.parallel import ParallelContext
+from megatron_gspo.seqshard import SequenceReducer
 
 
 def logprob_pass(model, mbs: list[MicroBatch], ctx: ParallelContext, *, temperature: float,
                  replay=None, record: bool = False, targets=None):
-    """Forward-only log-probs of every micro-batch's targets, [B, S] on every pipeline stage (so
-    that all ranks hold the batch's behaviour log-probs). With ``record``, also the routes of
-    each micro-batch's forward; with ``targets``, those routes are replayed."""
+    """Forward-only log-probs of every micro-batch's targets, [B, S] on the host of every rank
+    (pipeline stages and context-parallel ranks all hold the batch's behaviour log-probs). With
+    ``record``, also the routes of each micro-batch's forward (this rank's tokens); with
+    ``targets``, those routes are replayed."""
 
     def loss_fn(mb, logits):
         logp, _ = token_logprobs(logits, mb.targets_BS, group=ctx.tp_group, temperature=temperature)
@@ -46,11 +49,24 @@ def logprob_pass(model, mbs: list[MicroBatch], ctx: ParallelContext, *, temperat
     if record and targets is None:
         routes = recorded.forwards
     b = sum(mb.tokens_BS.shape[0] for mb in mbs)
-    s = mbs[0].tokens_BS.shape[1]
-    logp = torch.cat([o["logp"] for o in out]) if out else torch.zeros(b, s)
-    if ctx.pp > 1:
-        dist.broadcast(logp, group_src=ctx.pp - 1, group=ctx.pp_group)
-    return logp, routes
+    local = mbs[0].cp_index(ctx.cp, ctx.cp_rank).numel()
+    logp = (torch.cat([o["logp"] for o in out]) if out
+            else torch.zeros(b, local, device=ctx.device))
+    comm.broadcast_tensor(logp, src_in_group=ctx.pp - 1, group=ctx.pp_group)
+    return gather_context_parallel(logp, mbs[0], ctx).cpu(), routes
+
+
+def gather_context_parallel(values_BC: torch.Tensor, mb: MicroBatch, ctx: ParallelContext
+                            ) -> torch.Tensor:
+    """[B, S] whole rows from every context-parallel rank's [B, C] share (forward-only values such
+    as behaviour log-probs; the losses never gather per-token values)."""
+    parts = [torch.empty_like(values_BC) for _ in range(ctx.cp)]
+    dist.all_gather(parts, values_BC.contiguous(), group=ctx.cp_group)
+    full = torch.empty(values_BC.shape[0], mb.tokens_BS.shape[1], dtype=values_BC.dtype,
+                       device=values_BC.device)
+    for rank, part in enumerate(parts):
+        full[:, mb.cp_index(ctx.cp, rank).to(values_BC.device)] = part
+    return full
 
 
 @dataclass
@@ -61,14 +77,31 @@ class UpdateResult:
     extra: dict = field(default_factory=dict)
 
 
-def _dp_combine(metrics: dict, algo: str, ctx: ParallelContext) -> dict:
-    """The metrics of the whole mini-batch from every data-parallel rank's share."""
-    if ctx.dp == 1 or not metrics:
-        return metrics
-    parts = [None] * ctx.dp
-    dist.all_gather_object(parts, {k: v.detach().double() for k, v in metrics.items()},
-                           group=ctx.dp_group)
-    return combine_metrics(algo, parts)
+def combine_over_data_parallel(metrics: dict, algo: str, ctx: ParallelContext) -> dict:
+    """The metrics of the whole mini-batch from every data-parallel rank's share: two tensor
+    all-reduces on the run's device (sums and weighted sums; maxima)."""
+    keys = sorted(metrics)
+    kinds = {k: metric_kind(algo, k) for k in keys}
+    weight = {k: metrics[kinds[k]] if kinds[k] in ("num_seqs", "num_tokens") else None
+              for k in keys}
+    sums = torch.stack([(metrics[k] * weight[k] if weight[k] is not None else metrics[k])
+                        .detach().double().reshape(()).to(ctx.device) for k in keys]
+                       ) if keys else torch.zeros(0, dtype=torch.float64, device=ctx.device)
+    comm.reduce_tensor(sums, group=ctx.dp_group)
+    extremes = torch.stack([(-metrics[k] if kinds[k] == "min" else metrics[k]).detach().double()
+                            .reshape(()).to(ctx.device) for k in keys]
+                           ) if keys else torch.zeros(0, dtype=torch.float64, device=ctx.device)
+    comm.reduce_tensor(extremes, group=ctx.dp_group, op="max")
+    total = dict(zip(keys, sums))
+    out = {}
+    for i, k in enumerate(keys):
+        if kinds[k] == "sum":
+            out[k] = total[k]
+        elif kinds[k] in ("min", "max"):
+            out[k] = -extremes[i] if kinds[k] == "min" else extremes[i]
+        else:
+            out[k] = total[k] / total[kinds[k]].clamp_min(1e-12)
+    return out
 
 
 def policy_update(ddp, optimizer, mbs: list[MicroBatch], ctx: ParallelContext, algo: AlgoConfig, *,
@@ -76,25 +109,35 @@ def policy_update(ddp, optimizer, mbs: list[MicroBatch], ctx: ParallelContext, a
                   replay=None, targets=None, inject_nan: bool = False) -> UpdateResult:
     """One optimizer update on a mini-batch: the policy loss on every micro-batch (routes replayed
     from ``targets`` under R2 / R3), then the step, skipped on every rank if anything is
-    non-finite."""
+    non-finite. ``normalizer`` is the mini-batch's global count of sequences (or tokens, for
+    token_mean) over every data-parallel rank, so that each rank's loss is its share of the
+    mini-batch loss; the gradient is scaled by dp against DDP's average over the ranks.
+    Sequence-level statistics are completed over the context-parallel group (O(sequences))."""
     options = algo.loss_options()
+    reducer = SequenceReducer(ctx.cp_group)
 
     def loss_fn(mb, logits):
         logp, ent = token_logprobs(logits, mb.targets_BS, group=ctx.tp_group, temperature=temperature,
                                    with_entropy=True)
-        return policy_loss(algo.name, logp, mb.old_logp_BS, mb.advantages_B, mb.loss_mask_BS,
-                           clip_low=algo.clip_low, clip_high=algo.clip_high, normalizer=normalizer,
-                           ref_logprobs=mb.ref_logp_BS, entropy=ent, **options)
+        loss, metrics = policy_loss(
+            algo.name, logp, mb.old_logp_BS, mb.advantages_B, mb.loss_mask_BS,
+            clip_low=algo.clip_low, clip_high=algo.clip_high, normalizer=normalizer,
+            ref_logprobs=mb.ref_logp_BS, entropy=ent, reducer=reducer, **options)
+        return loss * ctx.dp, metrics
 
     zero_grads(ddp, optimizer)
+    router_losses.reset()
     cm = replay.replay(targets) if targets is not None else contextlib.nullcontext()
     with cm:
-        out = forward_backward(ddp, mbs, ctx, loss_fn)
+        out = forward_backward(ddp, mbs, ctx, loss_fn, aux_mask=True)
     metrics = last_stage_metrics(out, ctx, functools.partial(combine_metrics, algo.name))
-    metrics = _dp_combine({k: v.detach() for k, v in metrics.items()}, algo.name, ctx)
+    metrics = combine_over_data_parallel(metrics, algo.name, ctx)
+    metrics["policy_loss"] = metrics["loss"]
+    metrics.update(router_losses.collect(ddp.module.config, ctx, len(mbs)))
+    metrics["loss"] = metrics["policy_loss"] + metrics["aux_loss"]
     if inject_nan and ctx.rank == 0:  # fault injection: one rank's gradient goes bad
         _grad_buffers(ddp)[0].view(-1)[0] = float("nan")
-    finite = all_finite(metrics.get("loss"), _grad_buffers(ddp))
+    finite = all_finite(metrics.get("loss"), _grad_buffers(ddp), device=ctx.device)
     if not guard.check(finite, where):
         zero_grads(ddp, optimizer)
         return UpdateResult(metrics, float("nan"), False)
@@ -109,33 +152,40 @@ def _grad_buffers(ddp) -> list:
 
 def sft_update(ddp, optimizer, mbs: list[MicroBatch], ctx: ParallelContext, *, normalizer: float,
                guard: NonFiniteGuard, where: str) -> tuple[float, float]:
-    """One supervised update: token-mean negative log-likelihood of the masked (answer) tokens.
-    Returns (loss, accuracy): the fraction of rows whose answer tokens are all the model's most
-    likely next tokens (teacher-forced, before the update)."""
+    """One supervised update: token-mean negative log-likelihood of the masked (answer) tokens;
+    ``normalizer`` is the global count of those tokens over every data-parallel rank. Returns
+    (loss, accuracy): the fraction of rows whose answer tokens are all the model's most likely
+    next tokens (teacher-forced, before the update)."""
 
     def loss_fn(mb, logits):
         logp, _ = token_logprobs(logits, mb.targets_BS, group=ctx.tp_group)
+        # Each context-parallel rank sums its own tokens: a partial sum of the row's loss.
         nll = -(logp * mb.loss_mask_BS).sum()
         # A row is right when its target is the most likely token at every answer position.
         best = logits.detach().max(-1).values
-        if ctx.tp > 1:
-            dist.all_reduce(best, op=dist.ReduceOp.MAX, group=ctx.tp_group)
+        comm.reduce_tensor(best, group=ctx.tp_group, op="max")
         target_logit = _target_logits(logits.detach(), mb.targets_BS, ctx)
-        wrong = ((target_logit < best) & (mb.loss_mask_BS > 0)).any(-1)
-        return nll / normalizer, {"nll": nll.detach(), "tokens": mb.loss_mask_BS.sum(),
-                                  "rows": torch.tensor(float(len(wrong))),
-                                  "right": (~wrong).sum().float()}
+        wrong = ((target_logit < best) & (mb.loss_mask_BS > 0)).any(-1).to(torch.int64)
+        comm.reduce_tensor(wrong, group=ctx.cp_group, op="max")
+        right = (wrong == 0).sum().to(logp.dtype)
+        rows = torch.tensor(float(len(wrong)), device=logp.device)
+        # Row counts are complete on every CP rank: count them on CP rank 0 only (the metrics are
+        # summed over the data x context-parallel ranks).
+        first = float(ctx.cp_rank == 0)
+        return nll / normalizer * ctx.dp, {"nll": nll.detach(), "tokens": mb.loss_mask_BS.sum(),
+                                           "rows": rows * first, "right": right * first}
 
     zero_grads(ddp, optimizer)
-    out = forward_backward(ddp, mbs, ctx, loss_fn)
+    router_losses.reset()
+    out = forward_backward(ddp, mbs, ctx, loss_fn, aux_mask=True)
     m = last_stage_metrics(out, ctx, lambda parts: {k: torch.stack([p[k] for p in parts]).sum()
                                                     for k in parts[0]})
-    totals = torch.stack([m["nll"], m["tokens"], m["right"], m["rows"]]).double()
-    if ctx.dp > 1:
-        dist.all_reduce(totals, group=ctx.dp_group)
-    loss = float(totals[0] / totals[1].clamp_min(1))
-    accuracy = float(totals[2] / totals[3].clamp_min(1))
-    if not guard.check(all_finite(totals, _grad_buffers(ddp)), where):
+    router_losses.reset()
+    nll, tokens, right, rows = comm.reduce_values([m["nll"], m["tokens"], m["right"], m["rows"]],
+                                                  device=ctx.device, group=ctx.dp_cp_group)
+    loss = nll / max(tokens, 1.0)
+    accuracy = right / max(rows, 1.0)
+    if not guard.check(all_finite(torch.tensor(loss), _grad_buffers(ddp), device=ctx.device), where):
         zero_grads(ddp, optimizer)
         return loss, accuracy
     optimizer.step()
@@ -150,9 +200,7 @@ def _target_logits(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, ctx: Para
     inside = (local >= 0) & (local < v)
     picked = logits_BSV.gather(-1, local.clamp(0, v - 1)[..., None])[..., 0]
     picked = torch.where(inside, picked, torch.full_like(picked, -float("inf")))
-    if ctx.tp > 1:
-        dist.all_reduce(picked, op=dist.ReduceOp.MAX, group=ctx.tp_group)
-    return picked
+    return comm.reduce_tensor(picked, group=ctx.tp_group, op="max")
 
 
 def sft_micro_batches(prompt_ids: list, answer_ids: list, *, eos_id: int, pad_id: int, size: int,
@@ -171,17 +219,14 @@ def sft_micro_batches(prompt_ids: list, answer_ids: list, *, eos_id: int, pad_id
 
 
 def normalizer_for(algo: AlgoConfig, mbs: list[MicroBatch], ctx: ParallelContext) -> float:
-    """What each rank divides its loss by so that the gradient, averaged by Megatron over the
-    data-parallel ranks, is the whole mini-batch's: sequences (or tokens, for token_mean) of every
-    rank, divided by the data-parallel size."""
+    """The mini-batch's global count of sequences (or tokens, for token_mean) over every
+    data-parallel rank: each rank divides its loss by it, so that the ranks' losses are shares
+    of the mini-batch loss."""
     if algo.aggregation == "seq_mean":
         local = sum(float((mb.loss_mask_BS.sum(1) > 0).sum()) for mb in mbs)
     else:
         local = sum(float(mb.loss_mask_BS.sum()) for mb in mbs)
-    total = torch.tensor([local], dtype=torch.float64)
-    if ctx.dp > 1:
-        dist.all_reduce(total, group=ctx.dp_group)
-    return max(float(total) / ctx.dp, 1.0 / ctx.dp)
+    return max(comm.reduce_sum(local, device=ctx.device, group=ctx.dp_group), 1.0)
 
 
 def attach_ref(mbs: list[MicroBatch], ref_logp_BS: Optional[torch.Tensor], rows: list) -> None:

@@ -12,8 +12,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_gspo import comm
 from megatron_gspo.forward import MicroBatch
 from megatron_gspo.rollout.types import Sample
+from megatron_gspo.seqshard import zigzag_index
 
 
 @dataclass
@@ -49,16 +51,18 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def row_width(samples: Sequence[Sample], group=None, multiple_of: int = 1) -> int:
-    """Tokens fed per row: the widest prompt + response - 1 over every rank (one all-reduce), so
-    that each rank pads its rows the same way, rounded up to ``multiple_of`` (the TP size under
-    sequence parallelism, which splits the sequence)."""
-    import torch.distributed as dist
+def width_multiple(ctx) -> int:
+    """What a row width must divide by: 2 x cp zigzag chunks under context parallelism, times
+    the TP size under sequence parallelism (which splits each rank's share again)."""
+    return (2 * ctx.cp if ctx.cp > 1 else 1) * (ctx.tp if ctx.sequence_parallel else 1)
 
-    width = torch.tensor([max(len(s.prompt_ids) + len(s.response_ids) for s in samples)])
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
-    return round_up(int(width) - 1, multiple_of)
+
+def row_width(samples: Sequence[Sample], *, device: torch.device, multiple_of: int = 1,
+              group=None) -> int:
+    """Tokens fed per row: the widest prompt + response - 1 over every rank (one all-reduce), so
+    that each rank pads its rows the same way, rounded up to ``multiple_of``."""
+    widest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    return round_up(comm.reduce_max_int(widest, device=device, group=group) - 1, multiple_of)
 
 
 def build_batch(samples: Sequence[Sample], rewards_B: torch.Tensor, advantages_B: torch.Tensor, *,
@@ -114,17 +118,27 @@ def update_order(num_rows: int, minibatches: int) -> list[int]:
     return [r for rows in minibatch_rows(num_rows, minibatches) for r in rows]
 
 
+def router_view(x_BSLK: torch.Tensor, layers, ctx) -> list:
+    """Per-token values of whole rows ([B, S, L, K]) as this rank's routers see them: its
+    context-parallel zigzag share, then its sequence-parallel slice, per local MoE layer [N, K]
+    in Megatron's [s, b] order."""
+    from moe.records import rank_targets
+
+    return rank_targets(x_BSLK, layers=layers, cp=ctx.cp, cp_rank=ctx.cp_rank,
+                        cp_index=zigzag_index(x_BSLK.shape[1], ctx.cp, ctx.cp_rank),
+                        tp=ctx.tp, tp_rank=ctx.tp_rank, sequence_parallel=ctx.sequence_parallel)
+
+
 def engine_route_targets(batch: RolloutBatch, rows: Sequence[int], size: int, *, layers, ctx
                          ) -> list:
     """The engine's routes of ``rows``, per micro-batch and local MoE layer, as this rank's routers
     see them ([N, K] in Megatron's [s, b] order): R3 targets and rollout/train drift."""
-    from moe.records import padded_routes, rank_targets
+    from moe.records import padded_routes
 
     out = []
     for start in range(0, len(rows), size):
         part = list(rows[start:start + size])
         routes = padded_routes([batch.routes[i] for i in part],
                                [int(batch.lengths_B[i]) for i in part], batch.width)
-        out.append(rank_targets(routes, layers=layers, tp=ctx.tp, tp_rank=ctx.tp_rank,
-                                sequence_parallel=ctx.sequence_parallel))
+        out.append(router_view(routes, layers, ctx))
     return out

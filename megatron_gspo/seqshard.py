@@ -102,6 +102,8 @@ class SequenceReducer:
     """Completes per-sequence statistics over the ranks that hold parts of the same sequences.
 
     ``values_sent`` counts the elements this reducer has all-reduced (for the O(S) guarantee).
+    ``group=None`` means no other rank holds parts of these sequences (a pure, local call); a
+    group, even of one rank, is always reduced over, so that one device runs the code path of many.
     """
 
     def __init__(self, group=None):
@@ -110,7 +112,7 @@ class SequenceReducer:
 
     @property
     def active(self) -> bool:
-        return self.group is not None and dist.get_world_size(self.group) > 1
+        return self.group is not None
 
     def sum(self, stats_KS: torch.Tensor) -> torch.Tensor:
         if not self.active:
@@ -134,6 +136,8 @@ def zigzag_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
     Megatron's load balancing splits a sequence into 2*cp chunks and gives rank r chunks r and
     2*cp-1-r, so every rank holds an equal share of early (cheap) and late (costly) causal rows.
     """
+    if cp == 1:
+        return torch.arange(seq_len, device=device)
     if seq_len % (2 * cp):
         raise ValueError(f"sequence length {seq_len} is not divisible by 2*cp = {2 * cp}")
     chunk = seq_len // (2 * cp)
@@ -166,24 +170,30 @@ class PackedTokens:
     valid_N: torch.Tensor  # False on padding
 
 
-def pack_sequences(sequences: list[torch.Tensor], multiple_of: int = 1, pad_id: int = 0
-                   ) -> PackedTokens:
+def pack_sequences(sequences: list[torch.Tensor], multiple_of: int = 1, pad_id: int = 0,
+                   seq_multiple_of: int = 1) -> PackedTokens:
     """Pack token sequences (each predicts its own next tokens) into one row, padded with one
-    extra segment to a length divisible by ``multiple_of`` (TP x 2 CP for sequence parallelism)."""
-    inputs = [s[:-1] for s in sequences]
-    targets = [s[1:] for s in sequences]
+    extra segment to a length divisible by ``multiple_of`` (TP for sequence parallelism). Under
+    context parallelism every sequence is split in 2 x cp chunks: ``seq_multiple_of`` pads each
+    sequence (inside its own segment, at its end) to a multiple of it."""
+    inputs, targets, valid = [], [], []
+    for s in sequences:
+        n = len(s) - 1
+        if n < 1:
+            raise ValueError("every packed sequence needs at least two tokens")
+        extra = (-n) % seq_multiple_of
+        inputs.append(torch.cat([s[:-1], torch.full((extra,), pad_id, dtype=s.dtype)]))
+        targets.append(torch.cat([s[1:], torch.full((extra,), pad_id, dtype=s.dtype)]))
+        valid.append(torch.arange(n + extra) < n)
     lengths = [len(x) for x in inputs]
-    if min(lengths) < 1:
-        raise ValueError("every packed sequence needs at least two tokens")
     pad = (-sum(lengths)) % multiple_of
-    valid = torch.ones(sum(lengths), dtype=torch.bool)
     if pad:
         inputs.append(torch.full((pad,), pad_id, dtype=inputs[0].dtype))
         targets.append(torch.full((pad,), pad_id, dtype=targets[0].dtype))
         lengths.append(pad)
-        valid = torch.cat([valid, torch.zeros(pad, dtype=torch.bool)])
+        valid.append(torch.zeros(pad, dtype=torch.bool))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     return PackedTokens(
         tokens_1N=torch.cat(inputs)[None], targets_1N=torch.cat(targets)[None],
         position_ids_1N=torch.cat([torch.arange(n) for n in lengths])[None], cu_seqlens=cu,
-        seq_N=seq_index_from_cu_seqlens(cu), valid_N=valid)
+        seq_N=seq_index_from_cu_seqlens(cu), valid_N=torch.cat(valid))

@@ -12,16 +12,46 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import signal
+import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Callable, Optional, Union
 
 import torch
-import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_gspo import comm, cpu_backend, router_losses
+from megatron_gspo.advantages import group_advantages, informative_groups
+from megatron_gspo.checkpoint import CheckpointError, CheckpointManager
 from megatron_gspo.config import JobConfig, job_to_dict
-from megatron_gspo.faults import NonFiniteGuard, StopRequested, StopSignals
+from megatron_gspo.data.prompts import PromptDataset, PromptRecord, read_prompt_file
+from megatron_gspo.data.synthetic import make_task
+from megatron_gspo.data.tokenizer import load_tokenizer
+from megatron_gspo.drift_probe import DriftProbe
+from megatron_gspo.faults import REQUEUE_MARKER, NonFiniteGuard, StopRequested, StopSignals
+from megatron_gspo.hf_qwen3moe import SeededTensors, load_hf_weights
+from megatron_gspo.metrics import RunLogger
+from megatron_gspo.model import build_model
+from megatron_gspo.optim import (OptimConfig, build_optimizer, build_scheduler, wrap_ddp)
+from megatron_gspo.parallel import ParallelContext, init_parallel
+from megatron_gspo.policy import (attach_ref, logprob_pass, normalizer_for, policy_update,
+                                  sft_micro_batches, sft_update)
+from megatron_gspo.rewards import RewardInput, RewardResult, get_reward
+from megatron_gspo.rl_batch import (RolloutBatch, build_batch, engine_route_targets, micro_batches,
+                                    minibatch_rows, round_up, row_width, update_order,
+                                    width_multiple)
+from megatron_gspo.rollout.local_engine import LocalEngine
+from megatron_gspo.rollout.sglang_engine import SGLangEngine, init_weights_update_group
+from megatron_gspo.rollout.types import SamplingParams
+from megatron_gspo.weights import load_weights, save_weights
+from moe.instrument import local_layers_of
+from moe.replay import RoutingReplay
 
 
 class Timers:
@@ -44,24 +74,24 @@ class Run:
     """Everything one training run holds."""
 
     job: JobConfig
-    ctx: Any
-    tokenizer: Any
-    gpt: Any
-    ddp: Any
-    engine: Any
-    replay: Any  # moe.replay.RoutingReplay, when routes are recorded or replayed
-    train_data: Any  # data.prompts.PromptDataset
-    eval_records: list
-    reward_fn: Any
-    logger: Any  # metrics.RunLogger
-    ckpt: Any  # checkpoint.CheckpointManager
+    ctx: ParallelContext
+    tokenizer: object  # data.tokenizer.CharTokenizer or a Hugging Face tokenizer
+    gpt: GPTModel
+    ddp: DistributedDataParallel
+    engine: Union[LocalEngine, SGLangEngine]
+    replay: Optional[RoutingReplay]  # when routes are recorded or replayed
+    train_data: PromptDataset
+    eval_records: list[PromptRecord]
+    reward_fn: Callable[[RewardInput], RewardResult]
+    logger: RunLogger
+    ckpt: CheckpointManager
     guard: NonFiniteGuard
     signals: StopSignals
-    drift: Any = None  # drift_probe.DriftProbe
-    ref_model: Any = None
-    sync_group: Any = None  # weight_sync=distributed: the trainer-servers process group (rank 0)
-    optimizer: Any = None
-    scheduler: Any = None
+    drift: Optional[DriftProbe] = None
+    ref_model: Optional[GPTModel] = None
+    sync_group: Optional[torch.distributed.ProcessGroup] = None  # weight_sync=distributed
+    optimizer: Optional[MegatronOptimizer] = None
+    scheduler: Optional[OptimizerParamScheduler] = None
     step: int = 0  # RL steps done
     updates: int = 0  # optimizer updates done (RL)
     history: dict = field(default_factory=dict)
@@ -81,7 +111,7 @@ def train(job: JobConfig) -> dict:
                 metrics["eval/accuracy"] = evaluate(run)
             run.logger.log(step, metrics)  # before the checkpoint: a resume never lacks this row
             run.logger.bar(step, _summary(metrics))
-            stop = run.signals.agreed()
+            stop = run.signals.agreed(run.ctx.device)
             due = job.trainer.save_interval and step % job.trainer.save_interval == 0
             if stop or due or step == job.trainer.steps:
                 t0 = time.perf_counter()
@@ -125,8 +155,6 @@ def rl_step(run: Run, step: int) -> dict:
 
 def rollout(run: Run, step: int):
     """This data-parallel rank's prompts of the step and their responses."""
-    from megatron_gspo.rollout.types import SamplingParams
-
     r, ctx = run.job.rollout, run.ctx
     prompts = run.train_data.next_batch(r.prompts_per_step)  # the same global batch on every rank
     per_rank = r.prompts_per_step // ctx.dp
@@ -145,8 +173,6 @@ def rollout(run: Run, step: int):
 
 
 def score(run: Run, records, samples) -> torch.Tensor:
-    from megatron_gspo.rewards import RewardInput
-
     out = []
     for rec, s in zip(records, samples):
         text = run.tokenizer.decode(s.response_ids)
@@ -155,21 +181,16 @@ def score(run: Run, records, samples) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float32)
 
 
-def make_batch(run: Run, samples, rewards):
-    from megatron_gspo.advantages import group_advantages
-    from megatron_gspo.rl_batch import build_batch, row_width
-
+def make_batch(run: Run, samples, rewards) -> RolloutBatch:
     adv = group_advantages(rewards, run.job.rollout.group_size,
                            scale=run.job.algo.scale_advantages)
-    multiple = run.ctx.tp if run.ctx.sequence_parallel else 1
-    return build_batch(samples, rewards, adv, width=row_width(samples, multiple_of=multiple),
-                       pad_id=run.tokenizer.pad_id, num_experts=run.job.model.num_experts)
+    width = row_width(samples, device=run.ctx.device, multiple_of=width_multiple(run.ctx))
+    return build_batch(samples, rewards, adv, width=width, pad_id=run.tokenizer.pad_id,
+                       num_experts=run.job.model.num_experts)
 
 
 def _targets(run: Run, batch, rows):
     """Engine routes of ``rows`` for this rank's routers (R3 and the rollout/train drift)."""
-    from megatron_gspo.rl_batch import engine_route_targets
-
     return engine_route_targets(batch, rows, run.job.trainer.micro_batch_size,
                                 layers=run.drift.layers if run.drift else _local_layers(run),
                                 ctx=run.ctx)
@@ -178,9 +199,6 @@ def _targets(run: Run, batch, rows):
 def old_logprobs(run: Run, batch):
     """Behaviour log-probs of the whole batch on the current (old) policy, and the routes of
     each micro-batch's forward (recorded; or under R3, the engine's, replayed)."""
-    from megatron_gspo.policy import logprob_pass
-    from megatron_gspo.rl_batch import micro_batches, update_order
-
     job = run.job
     rows = update_order(batch.rows, job.algo.minibatches)
     mbs = micro_batches(batch, rows, job.trainer.micro_batch_size)
@@ -213,9 +231,6 @@ def _unorder(values_BS: torch.Tensor, rows: list) -> torch.Tensor:
 
 def update(run: Run, batch, routes):
     """K mini-batch updates; the first is on-policy (ratio 1), later ones are off-policy."""
-    from megatron_gspo.policy import attach_ref, normalizer_for, policy_update
-    from megatron_gspo.rl_batch import micro_batches, minibatch_rows
-
     job, size = run.job, run.job.trainer.micro_batch_size
     results, drift = [], {}
     replaying = job.replay.mode in ("r2", "r3")
@@ -247,10 +262,6 @@ def sync_weights(run: Run) -> None:
         return
     r = run.job.rollout
     if r.weight_sync == "distributed" and run.sync_group is None and run.ctx.rank == 0:
-        import socket
-
-        from megatron_gspo.rollout.sglang_engine import init_weights_update_group
-
         # SGLang's servers join rank 0 of the trainer in one NCCL group for the broadcasts.
         run.sync_group = init_weights_update_group(
             run.engine, master_address=socket.getfqdn(), master_port=r.weight_sync_port,
@@ -262,8 +273,6 @@ def sync_weights(run: Run) -> None:
 
 def evaluate(run: Run) -> float:
     """Held-out accuracy: greedy responses to the eval prompts, mean reward (split over DP)."""
-    from megatron_gspo.rollout.types import SamplingParams
-
     ctx, recs = run.ctx, run.eval_records
     if not recs:
         return float("nan")
@@ -273,25 +282,25 @@ def evaluate(run: Run) -> float:
     mine = mine + [recs[0]] * (per_rank - real)  # equal rows on every rank (lockstep decoding)
     params = SamplingParams(max_new_tokens=run.job.rollout.max_new_tokens, temperature=0.0,
                             stop_token_ids=(run.tokenizer.eos_id,))
-    total = torch.zeros(2, dtype=torch.float64)
+    right, count = 0.0, 0.0
     chunk = 64
     for i in range(0, len(mine), chunk):
         part = mine[i:i + chunk]
         ids = [run.tokenizer.render_prompt(p.prompt, p.messages) for p in part]
         samples = run.engine.generate(ids, 1, params)
         correct = score(run, part, samples)[:max(0, real - i)]
-        total[0] += float(correct.sum())
-        total[1] += len(correct)
-    if ctx.dp > 1:
-        dist.all_reduce(total, group=ctx.dp_group)
-    return float(total[0] / total[1])
+        right += float(correct.sum())
+        count += len(correct)
+    right, count = comm.reduce_values([right, count], device=ctx.device, group=ctx.dp_group)
+    return right / count
 
 
 def step_metrics(run: Run, step, batch, samples, results, drift, timers, seconds) -> dict:
     """The step's scalars (the TensorBoard tags listed in ``megatron_gspo.metrics``)."""
     ctx = run.ctx
     applied = [r for r in results if r.applied]
-    keys = ("loss", "clip_fraction", "ratio_mean", "ratio_min", "ratio_max", "entropy", "kl")
+    keys = ("loss", "policy_loss", "aux_loss", "clip_fraction", "ratio_mean", "ratio_min",
+            "ratio_max", "entropy", "kl")
     m = {}
     for key in keys:
         vals = [float(r.metrics[key]) for r in results if key in r.metrics]
@@ -301,34 +310,30 @@ def step_metrics(run: Run, step, batch, samples, results, drift, timers, seconds
     m["train/grad_norm"] = (sum(r.grad_norm for r in applied) / len(applied)) if applied else float("nan")
     m["train/lr"] = run.optimizer.param_groups[0]["lr"]
     m["train/skipped_updates"] = run.guard.skipped
-    # Rollout statistics over every data-parallel rank.
-    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
-    truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float64)
+    # Rollout statistics over every data-parallel rank (context-parallel ranks hold the same).
+    rewards = batch.rewards_B.double()
     mask = batch.mask_BS
     recomputed = batch.recomputed_logp_BS
     mismatch_sum = 0.0 if recomputed is None else float(
         ((batch.engine_logp_BS - recomputed).abs() * mask).sum())
-    from megatron_gspo.advantages import informative_groups
-
     informative = informative_groups(batch.rewards_B, run.job.rollout.group_size).double()
-    sums = torch.tensor([batch.rewards_B.double().sum(), (batch.rewards_B.double() ** 2).sum(),
-                         lengths.sum(), truncated.sum(), informative.sum(), mismatch_sum,
-                         float(mask.sum()), float(len(samples))], dtype=torch.float64)
-    if ctx.dp > 1:
-        dist.all_reduce(sums, group=ctx.dp_group)
-    n = float(sums[7])
-    mean = float(sums[0]) / n
+    (reward_sum, reward_sq, length_sum, truncated, informative_sum, mismatch, tokens,
+     n) = comm.reduce_values(
+        [rewards.sum(), (rewards ** 2).sum(), sum(len(s.response_ids) for s in samples),
+         sum(s.finish_reason == "length" for s in samples), informative.sum(), mismatch_sum,
+         float(mask.sum()), len(samples)], device=ctx.device, group=ctx.dp_group)
+    mean = reward_sum / n
     m["rollout/reward_mean"] = mean
-    m["rollout/reward_std"] = max(float(sums[1]) / n - mean * mean, 0.0) ** 0.5
-    m["rollout/response_length"] = float(sums[2]) / n
-    m["rollout/truncated_fraction"] = float(sums[3]) / n
-    m["rollout/informative_fraction"] = float(sums[4]) / n
-    m["rollout/logprob_mismatch"] = float(sums[5]) / max(float(sums[6]), 1.0)
+    m["rollout/reward_std"] = max(reward_sq / n - mean * mean, 0.0) ** 0.5
+    m["rollout/response_length"] = length_sum / n
+    m["rollout/truncated_fraction"] = truncated / n
+    m["rollout/informative_fraction"] = informative_sum / n
+    m["rollout/logprob_mismatch"] = mismatch / max(tokens, 1.0)
     m.update(drift)
     for name, sec in timers.seconds.items():
         m[f"perf/time/{name}_s"] = sec
     m["perf/step_time_s"] = seconds
-    m["perf/tokens_per_s"] = float(sums[6]) / max(seconds, 1e-9)
+    m["perf/tokens_per_s"] = tokens / max(seconds, 1e-9)
     m["minibatch/ratio_mean"] = [float(r.metrics.get("ratio_mean", float("nan"))) for r in results]
     m["minibatch/clip_fraction"] = [float(r.metrics.get("clip_fraction", float("nan")))
                                     for r in results]
@@ -351,21 +356,10 @@ def _summary(m: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def _local_layers(run: Run) -> list:
-    from moe.instrument import local_layers_of
-
     return local_layers_of(run.job.model, run.ctx)
 
 
 def setup(job: JobConfig) -> Run:
-    from megatron_gspo import cpu_backend
-    from megatron_gspo.checkpoint import CheckpointManager
-    from megatron_gspo.data.tokenizer import load_tokenizer
-    from megatron_gspo.metrics import RunLogger
-    from megatron_gspo.model import build_model
-    from megatron_gspo.optim import wrap_ddp
-    from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.rewards import get_reward
-
     ctx = init_parallel(job.parallel, job.model, seed=job.seed)
     job.check_layout(ctx.dp)
     cpu_backend.activate(ctx.device)
@@ -375,11 +369,7 @@ def setup(job: JobConfig) -> Run:
     m = job.model
     routes_needed = m.is_moe and (job.replay.mode != "none" or job.logging.drift)
     gpt = build_model(m, ctx, moe_enable_routing_replay=routes_needed)
-    replay = None
-    if routes_needed:
-        from moe.replay import RoutingReplay
-
-        replay = RoutingReplay(gpt)
+    replay = RoutingReplay(gpt) if routes_needed else None
     ddp = wrap_ddp(gpt, ctx)
     engine = make_engine(job, gpt, ctx, replay, tokenizer)
     logger = RunLogger(run_dir, enabled=ctx.rank == 0, tensorboard=job.logging.tensorboard,
@@ -391,11 +381,10 @@ def setup(job: JobConfig) -> Run:
               guard=NonFiniteGuard(job.trainer.max_consecutive_skips),
               signals=StopSignals().install())
     if routes_needed and job.logging.drift:
-        from megatron_gspo.drift_probe import DriftProbe
-
         run.drift = DriftProbe(job, ctx, run_dir, logger.writer)
     if job.algo.kl_coef > 0:
         run.ref_model = build_model(m, ctx)
+    rl_router_losses(run)
     logger.say(f"layout: {ctx.describe()}; model {m.name}: {m.num_layers} layers, "
                f"{m.num_experts} experts top-{m.top_k}; algo {job.algo.name}, replay "
                f"{job.replay.mode}, engine {job.rollout.engine}; run dir {run_dir}")
@@ -403,9 +392,13 @@ def setup(job: JobConfig) -> Run:
     return run
 
 
-def _save_config(job: JobConfig, run_dir: str, rank: int) -> None:
-    import json
+def rl_router_losses(run: Run) -> None:
+    """The MoE router losses of the RL updates (``algo.aux_loss_coeff``, ``algo.z_loss_coeff``)."""
+    router_losses.set_coefficients(run.gpt.config, aux_loss_coeff=run.job.algo.aux_loss_coeff,
+                                   z_loss_coeff=run.job.algo.z_loss_coeff)
 
+
+def _save_config(job: JobConfig, run_dir: str, rank: int) -> None:
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "resolved_config.json"), "w") as f:
@@ -414,9 +407,6 @@ def _save_config(job: JobConfig, run_dir: str, rank: int) -> None:
 
 def load_data(job: JobConfig):
     """Training prompts (a resumable PromptDataset) and held-out records."""
-    from megatron_gspo.data.prompts import PromptDataset, read_prompt_file
-    from megatron_gspo.data.synthetic import make_task
-
     d = job.data
     if d.task == "files":
         train = PromptDataset(d.files, seed=job.seed)
@@ -434,16 +424,12 @@ def load_data(job: JobConfig):
 
 def make_engine(job: JobConfig, gpt, ctx, replay, tokenizer):
     if job.rollout.engine == "local":
-        from megatron_gspo.rollout.local_engine import LocalEngine
-
         record = replay if (job.replay.mode == "r3" or job.logging.drift) else None
         # Expert parallelism spans data-parallel ranks, which generate different prompts: the
         # whole world decodes in lockstep then.
-        lockstep = dist.group.WORLD if ctx.ep > 1 and ctx.dp > 1 else None
+        lockstep = torch.distributed.group.WORLD if ctx.ep > 1 and ctx.dp > 1 else None
         return LocalEngine(gpt, ctx, replay=record, pad_id=tokenizer.pad_id,
                            lockstep_group=lockstep)
-    from megatron_gspo.rollout.sglang_engine import SGLangEngine
-
     r, m = job.rollout, job.model
     moe_layers = [i for i, x in enumerate(m.moe_layer_pattern) if x]
     return SGLangEngine(r.sglang_urls or [r.sglang_router_url], num_hidden_layers=m.num_layers,
@@ -452,8 +438,6 @@ def make_engine(job: JobConfig, gpt, ctx, replay, tokenizer):
 
 
 def build_rl_optimizer(run: Run) -> None:
-    from megatron_gspo.optim import OptimConfig, build_optimizer, build_scheduler
-
     t = run.job.trainer
     run.optimizer = build_optimizer(run.ddp, run.ctx, OptimConfig(
         lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
@@ -486,29 +470,22 @@ def init_weights(run: Run, path: str) -> None:
     """Starting weights from a HF Qwen3-MoE directory or a weights checkpoint (any layout), or
     random weights drawn per tensor from the seed (the same on every layout)."""
     if not path:
-        from megatron_gspo.hf_qwen3moe import SeededTensors, load_hf_weights
-
         load_hf_weights(run.gpt, SeededTensors(run.job.model, run.job.seed), run.job.model, run.ctx)
         return
     if os.path.isfile(os.path.join(path, "config.json")):
-        from megatron_gspo.hf_qwen3moe import load_hf_weights
-
         load_hf_weights(run.gpt, path, run.job.model, run.ctx)
     else:
-        from megatron_gspo.weights import load_weights
-
         load_weights(run.gpt, path)
     run.logger.say(f"initial weights: {path}")
 
 
 def sft(run: Run) -> None:
-    """Supervised warm-up: next-token loss on the answers of the training prompts."""
-    from megatron_gspo.optim import OptimConfig, build_optimizer
-    from megatron_gspo.policy import sft_micro_batches, sft_update
-    from megatron_gspo.rl_batch import round_up
-
+    """Supervised warm-up: next-token loss on the answers of the training prompts (with the
+    model's own router load-balancing coefficient)."""
     t, ctx, tok = run.job.trainer, run.ctx, run.tokenizer
     optimizer = build_optimizer(run.ddp, ctx, OptimConfig(lr=t.sft_lr, clip_grad=t.clip_grad))
+    router_losses.set_coefficients(run.gpt.config, aux_loss_coeff=run.job.model.aux_loss_coeff,
+                                   z_loss_coeff=0.0)
     data = type(run.train_data)([], seed=run.job.seed + 1, records=run.train_data.records)
     per_rank = t.sft_batch_size // ctx.dp
     t0 = time.perf_counter()
@@ -516,18 +493,16 @@ def sft(run: Run) -> None:
         recs = data.next_batch(t.sft_batch_size)[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
         prompts = [tok.render_prompt(r.prompt, r.messages) for r in recs]
         answers = [tok.encode(str(r.answer)) for r in recs]
-        width = torch.tensor([max(len(p) + len(a) + 1 for p, a in zip(prompts, answers))])
-        if ctx.world_size > 1:  # one row width on every rank (expert-parallel collectives)
-            dist.all_reduce(width, op=dist.ReduceOp.MAX)
-        width = round_up(int(width) - 1, ctx.tp if ctx.sequence_parallel else 1) + 1  # fed + 1
+        # One row width on every rank (expert-parallel collectives), split as the layout needs.
+        widest = comm.reduce_max_int(max(len(p) + len(a) + 1 for p, a in zip(prompts, answers)),
+                                     device=ctx.device)
+        width = round_up(widest - 1, width_multiple(ctx)) + 1  # fed + 1
         mbs = sft_micro_batches(prompts, answers, eos_id=tok.eos_id, pad_id=tok.pad_id,
                                 size=t.micro_batch_size, width=width)
-        tokens = torch.tensor([float(mb.loss_mask_BS.sum()) for mb in mbs]).sum().reshape(1)
-        if ctx.dp > 1:
-            dist.all_reduce(tokens, group=ctx.dp_group)
-        loss, accuracy = sft_update(run.ddp, optimizer, mbs, ctx,
-                                    normalizer=float(tokens) / ctx.dp, guard=run.guard,
-                                    where=f"sft step {i}")
+        tokens = comm.reduce_sum(sum(float(mb.loss_mask_BS.sum()) for mb in mbs),
+                                 device=ctx.device, group=ctx.dp_group)
+        loss, accuracy = sft_update(run.ddp, optimizer, mbs, ctx, normalizer=tokens,
+                                    guard=run.guard, where=f"sft step {i}")
         run.logger.scalar("sft/loss", loss, i)
         run.logger.scalar("sft/accuracy", accuracy, i)
         done = accuracy >= t.sft_target_accuracy
@@ -539,11 +514,10 @@ def sft(run: Run) -> None:
                            f"warm-up done after {i} steps")
             break
     del optimizer
+    rl_router_losses(run)
 
 
 def save(run: Run, step: int) -> str:
-    from megatron_gspo.weights import save_weights
-
     state = {"scheduler": run.scheduler.state_dict(), "data": run.train_data.state_dict(),
              "guard": run.guard.state_dict(), "updates": run.updates, "history": run.history,
              "config": job_to_dict(run.job)}
@@ -557,15 +531,11 @@ def save(run: Run, step: int) -> str:
 def _kill() -> None:
     """Fault injection (``trainer.kill_during_save``): die with the shards written, nothing
     committed."""
-    import signal
-
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def resume(run: Run) -> bool:
     """Load the newest complete checkpoint (``trainer.resume``); False for a fresh run."""
-    from megatron_gspo.checkpoint import CheckpointError
-
     mode = run.job.trainer.resume
     if mode == "never":
         return False
@@ -583,8 +553,6 @@ def resume(run: Run) -> bool:
     run.updates, run.step = int(state["updates"]), int(state["step"])
     run.history = dict(state.get("history", {}))
     if run.ref_model is not None:
-        from megatron_gspo.weights import load_weights
-
         load_weights(run.ref_model, os.path.join(run.job.run_dir, "reference"))
     run.logger.truncate_after(run.step)
     _clear_requeue_marker(run)
@@ -595,8 +563,6 @@ def resume(run: Run) -> bool:
 def stop_for_requeue(run: Run, signame: str, path: str) -> None:
     """The checkpoint for a stop signal is written: leave the requeue marker, give the signal to
     an earlier handler (a launcher's), else exit with the requeue code."""
-    from megatron_gspo.faults import REQUEUE_MARKER
-
     if run.ctx.rank == 0:
         with open(os.path.join(run.job.run_dir, REQUEUE_MARKER), "w") as f:
             f.write(f"{signame} {path}\n")
@@ -606,8 +572,6 @@ def stop_for_requeue(run: Run, signame: str, path: str) -> None:
 
 
 def _clear_requeue_marker(run: Run) -> None:
-    from megatron_gspo.faults import REQUEUE_MARKER
-
     marker = os.path.join(run.job.run_dir, REQUEUE_MARKER)
     if run.ctx.rank == 0 and os.path.exists(marker):
         os.remove(marker)

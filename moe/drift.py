@@ -42,7 +42,7 @@ def topk_agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
 def layer_drift_sums(a_LNK: list, b_LNK: list) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-layer agreement sums [L, 3] and [2] (tokens, tokens with any layer changed)."""
     per_layer = torch.stack([agreement_sums(a, b) for a, b in zip(a_LNK, b_LNK)])
-    changed_any = torch.zeros(a_LNK[0].shape[0], dtype=torch.bool)
+    changed_any = torch.zeros(a_LNK[0].shape[0], dtype=torch.bool, device=a_LNK[0].device)
     k = a_LNK[0].shape[1]
     for a, b in zip(a_LNK, b_LNK):
         changed_any |= _overlap(a.long(), b.long()) != k

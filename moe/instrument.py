@@ -22,50 +22,51 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_gspo import comm
 from moe.drift import drift_metrics, expert_counts, layer_drift_sums, load_metrics
 
 DRIFT_LOG = "drift.jsonl"
 KINDS = ("update", "rollout_train")
 
 
-def _sum(t: torch.Tensor, group=None) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
-    return t
-
-
 def drift_between(a: Sequence[Sequence[torch.Tensor]], b: Sequence[Sequence[torch.Tensor]], *,
-                  local_layers: Sequence[int], num_moe_layers: int, pp_group=None) -> dict:
+                  local_layers: Sequence[int], num_moe_layers: int, pp_group=None,
+                  device: torch.device = torch.device("cpu"), counted: bool = True) -> dict:
     """Drift between two passes over the same tokens (per forward, per local layer, [N, K]),
     complete over all ranks: layer sums over every rank (each holds distinct tokens or distinct
-    layers), the any-layer flag of each token over the pipeline stages."""
-    per_layer = torch.zeros(num_moe_layers, 3, dtype=torch.float64)
-    changed, total = 0.0, 0.0
+    layers), the any-layer flag of each token over the pipeline stages. Ranks with ``counted``
+    False join the collectives but add nothing (so that every layout measures the same tokens).
+    Collectives run on ``device``, over the world and ``pp_group``."""
+    per_layer = torch.zeros(num_moe_layers, 3, dtype=torch.float64, device=device)
+    weight = 1.0 if counted else 0.0
+    changed = torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for fa, fb in zip(a, b):
         sums, _ = layer_drift_sums(list(fa), list(fb))
-        per_layer[list(local_layers)] += sums
+        per_layer[list(local_layers)] += sums.to(device) * weight
         k = fa[0].shape[1]
-        flags = torch.zeros(fa[0].shape[0], dtype=torch.float64)
+        flags = torch.zeros(fa[0].shape[0], dtype=torch.float64, device=device)
         for x, y in zip(fa, fb):
-            flags = torch.maximum(flags, ((x[:, :, None] == y[:, None, :]).any(-1).sum(-1) != k)
-                                  .double())
-        if pp_group is not None and dist.get_world_size(pp_group) > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pp_group)
-        changed += float(flags.sum())
-        total += flags.numel()
-    pp = dist.get_world_size(pp_group) if pp_group is not None and dist.is_initialized() else 1
-    tokens = _sum(torch.tensor([total, changed], dtype=torch.float64)) / pp
-    return drift_metrics(_sum(per_layer), tokens)
+            same = (x[:, :, None] == y[:, None, :]).any(-1).sum(-1) != k
+            flags = torch.maximum(flags, same.double().to(device))
+        comm.reduce_tensor(flags, group=pp_group, op="max")
+        changed += flags.sum() * weight
+        total += flags.numel() * weight
+    pp = dist.get_world_size(pp_group)
+    tokens = comm.reduce_tensor(torch.stack([total, changed]) / pp)
+    return drift_metrics(comm.reduce_tensor(per_layer).cpu(), tokens.cpu())
 
 
 def expert_load(routes: Sequence[Sequence[torch.Tensor]], *, local_layers: Sequence[int],
-                num_moe_layers: int, num_experts: int) -> dict:
-    """Expert load of one pass (per forward, per local layer, [N, K]) over all ranks."""
-    counts = torch.zeros(num_moe_layers, num_experts, dtype=torch.float64)
+                num_moe_layers: int, num_experts: int, device: torch.device = torch.device("cpu"),
+                counted: bool = True) -> dict:
+    """Expert load of one pass (per forward, per local layer, [N, K]) over all ranks (those with
+    ``counted`` False add nothing)."""
+    counts = torch.zeros(num_moe_layers, num_experts, dtype=torch.float64, device=device)
     for forward in routes:
         for layer, r in zip(local_layers, forward):
-            counts[layer] += expert_counts(r, num_experts)
-    return load_metrics(_sum(counts))
+            counts[layer] += expert_counts(r, num_experts).to(device) * (1.0 if counted else 0.0)
+    return load_metrics(comm.reduce_tensor(counts).cpu())
 
 
 class DriftLog:

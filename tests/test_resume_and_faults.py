@@ -13,7 +13,8 @@ import pytest
 from megatron_gspo.checkpoint import check_complete
 from megatron_gspo.faults import NONFINITE_EXIT_CODE, REQUEUE_EXIT_CODE
 from tests.distributed import run_ranks
-from tests.trainer_workers import SHORT, merge, nan_update_job, read_metrics, to_overrides, train_job
+from tests.trainer_workers import (SHORT, merge, nan_update_job, read_metrics, step0_resume_job,
+                                   to_overrides, train_job)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESUME_CFG = merge(SHORT, {"trainer": {"steps": 6}, "seed": 3})
@@ -130,6 +131,17 @@ def test_nan_update_is_skipped_with_state_unchanged(tmp_path):
         assert out["skipped"] == 1
         assert out["params_equal"] and out["moments_equal"] and out["num_moments"] > 0
         assert out["third_applied"] and out["params_changed_after"]
+
+
+def test_resume_from_checkpoint_zero_starts_a_fresh_optimizer(tmp_path):
+    """Checkpoint 0 (after the warm-up, before RL) has no optimizer state: resuming from it must
+    not leave the zero-gradient step that allocates Adam's state for a load (step 1, a smaller
+    bias-corrected first update): the same updates give bitwise the same weights."""
+    out = run_ranks(step0_resume_job, 1, merge(SHORT, {"run_dir": str(tmp_path)}))[0]
+    assert out["weights_restored"] and out["moved"]
+    assert out["steps_after_load"] == []  # no Adam state before the first RL update
+    assert out["fresh_steps"] == out["resumed_steps"] == [2.0]
+    assert out["same_weights"]
 
 
 def test_consecutive_nan_updates_stop_the_run(tmp_path):

@@ -109,3 +109,54 @@ def nan_update_job(cfg: dict) -> dict:
     run.signals.uninstall()
     run.logger.close()
     return out
+
+
+def step0_resume_job(cfg: dict) -> dict:
+    """Checkpoint 0 holds a fresh RL optimizer (no moments): two updates from it, then the same two
+    updates after loading it into a new optimizer (the resume path) give bitwise the same weights
+    and Adam steps (the loaded optimizer starts fresh: no state, no step taken)."""
+    import torch
+
+    from megatron_gspo import trainer
+    from megatron_gspo.config import job_from_dict
+    from megatron_gspo.policy import normalizer_for, policy_update
+    from megatron_gspo.rl_batch import micro_batches
+
+    job = job_from_dict(cfg)
+    run = trainer.setup(job)
+    trainer.build_rl_optimizer(run)
+    path = trainer.save(run, 0)
+    records, samples = trainer.rollout(run, 1)
+    batch = trainer.make_batch(run, samples, trainer.score(run, records, samples))
+    batch.advantages_B = torch.linspace(-1, 1, batch.rows)  # a gradient whatever the rewards
+    trainer.old_logprobs(run, batch)
+    mbs = micro_batches(batch, list(range(batch.rows)), job.trainer.micro_batch_size)
+
+    def params():
+        return [p.detach().clone() for p in run.gpt.parameters()]
+
+    def adam_steps():
+        return sorted({float(s["step"]) for o in getattr(run.optimizer, "chained_optimizers",
+                                                          [run.optimizer])
+                       for s in o.optimizer.state.values() if "step" in s})
+
+    def two_updates():
+        for _ in range(2):
+            policy_update(run.ddp, run.optimizer, mbs, run.ctx, job.algo, temperature=1.0,
+                          normalizer=normalizer_for(job.algo, mbs, run.ctx), guard=run.guard,
+                          where="test")
+
+    start = params()
+    two_updates()
+    fresh, fresh_steps = params(), adam_steps()
+    trainer.build_rl_optimizer(run)
+    run.ckpt.load(path, model=run.gpt, optimizer=run.optimizer)
+    out = {"weights_restored": all(torch.equal(a, b) for a, b in zip(start, params())),
+           "steps_after_load": adam_steps()}
+    two_updates()
+    out.update(fresh_steps=fresh_steps, resumed_steps=adam_steps(),
+               moved=not all(torch.equal(a, b) for a, b in zip(start, fresh)),
+               same_weights=all(torch.equal(a, b) for a, b in zip(fresh, params())))
+    run.signals.uninstall()
+    run.logger.close()
+    return out

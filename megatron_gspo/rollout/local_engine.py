@@ -15,7 +15,13 @@ import contextlib
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
+from megatron_gspo import comm
+from megatron_gspo.layers import context_parallel_disabled
 from megatron_gspo.parallel import ParallelContext
 from megatron_gspo.rollout.types import Sample, SamplingParams
 
@@ -84,8 +90,6 @@ class LocalEngine:
     def _forward(self, tokens_BS, positions_BS, mask, icx):
         """One forward through every pipeline stage: hidden states go stage to stage, the last
         stage returns logits (None elsewhere)."""
-        import torch.distributed as dist
-
         ctx, device = self.ctx, self.ctx.device
         if ctx.pp > 1 and not ctx.is_first_stage:
             hidden = torch.empty(tokens_BS.shape[1], tokens_BS.shape[0], self.gpt.config.hidden_size,
@@ -100,14 +104,11 @@ class LocalEngine:
         return out
 
     def _from_last_stage(self, *tensors):
-        """The last stage's sampled tokens and log-probs, on every stage."""
-        import torch.distributed as dist
-
-        if self.ctx.pp == 1:
-            return tensors
+        """The last stage's sampled tokens and log-probs (on the run's device), on every stage,
+        as host tensors."""
         for t in tensors:
-            dist.broadcast(t, group_src=self.ctx.pp - 1, group=self.ctx.pp_group)
-        return tensors
+            comm.broadcast_tensor(t, src_in_group=self.ctx.pp - 1, group=self.ctx.pp_group)
+        return tuple(t.cpu() for t in tensors)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int,
@@ -115,8 +116,6 @@ class LocalEngine:
         """``samples_per_prompt`` responses per prompt. With ``params.seed``, response r of the
         request (counting from ``first_row``) samples from noise keyed by (seed, row): the same
         tokens whichever data-parallel rank or batch generates it."""
-        from megatron.core.inference.contexts import StaticInferenceContext
-
         params.validate()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -137,12 +136,10 @@ class LocalEngine:
         was_training = self.gpt.training
         self.gpt.eval()
         # Decoding feeds one token per row, which sequence parallelism cannot split: as megatron's
-        # own generation controller does, non-MoE layers run without it while generating.
+        # own generation controller does, non-MoE layers run without it while generating. Context
+        # parallelism is off likewise: every CP rank decodes the whole rows.
         sp = self.ctx.sequence_parallel
         if sp:
-            from megatron.core.transformer.moe.moe_layer import BaseMoELayer
-            from megatron.core.transformer.utils import set_model_to_sequence_parallel
-
             set_model_to_sequence_parallel(self.gpt, False, exclude_modules=[BaseMoELayer])
         recording = self.replay.record() if self.replay is not None else contextlib.nullcontext()
         out_tokens, out_logp = [], []
@@ -150,7 +147,7 @@ class LocalEngine:
         lengths = torch.zeros(b, dtype=torch.long)  # response tokens per row
         stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long)
         try:
-            with recording as recorded:
+            with recording as recorded, context_parallel_disabled(self.gpt):
                 causal = torch.ones(p_len, p_len, dtype=torch.bool).tril()
                 attend = causal[None] & valid_BS[:, None, :p_len]
                 logits = self._forward(tokens_BP, torch.arange(p_len).expand(b, p_len),
@@ -162,9 +159,10 @@ class LocalEngine:
                         if row_seeds is not None and params.temperature > 0:
                             noise = row_noise(row_seeds, step, logits.shape[-1])
                         token, logp = sample_next(logits[:, -1], params, noise_BV=noise)
-                        token, logp = token.cpu(), logp.cpu().float()
+                        logp = logp.float()
                     else:
-                        token, logp = torch.zeros(b, dtype=torch.long), torch.zeros(b)
+                        token = torch.zeros(b, dtype=torch.long, device=self.ctx.device)
+                        logp = torch.zeros(b, device=self.ctx.device)
                     token, logp = self._from_last_stage(token, logp)
                     token = torch.where(finished, self.pad_id, token)
                     out_tokens.append(token)
@@ -189,8 +187,6 @@ class LocalEngine:
         logp_BR = torch.stack(out_logp, 1)
         routes = self._routes(recorded.forwards, b, p_len) if self.replay is not None else None
         if routes is not None and self.ctx.pp > 1:  # every stage holds its own layers' routes
-            import torch.distributed as dist
-
             stages = [None] * self.ctx.pp
             dist.all_gather_object(stages, routes, group=self.ctx.pp_group)
             routes = [torch.cat([stage[i] for stage in stages], dim=-2) for i in range(len(routes))]
@@ -211,24 +207,21 @@ class LocalEngine:
 
     def _agree(self, p_len: int, b: int) -> int:
         """The padded prompt length of the lockstep group (whose row counts must be equal)."""
-        import torch.distributed as dist
-
-        if self.lockstep is None or dist.get_world_size(self.lockstep) == 1:
+        if self.lockstep is None:
             return p_len
-        t = torch.tensor([p_len, b, -b])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.lockstep)
-        if int(t[1]) != -int(t[2]):
+        longest, most, fewest = comm.reduce_values([p_len, b, -b], device=self.ctx.device,
+                                                   group=self.lockstep, op="max",
+                                                   dtype=torch.int64)
+        if most != -fewest:
             raise ValueError(f"ranks generating in lockstep must have equal row counts; this rank "
-                             f"has {b}, another {int(t[1]) if int(t[1]) != b else -int(t[2])}")
-        return int(t[0])
+                             f"has {b}, another {most if most != b else -fewest}")
+        return int(longest)
 
     def _all_finished(self, finished: torch.Tensor) -> bool:
-        import torch.distributed as dist
-
-        done = torch.tensor([int(bool(finished.all()))])
-        if self.lockstep is not None and dist.get_world_size(self.lockstep) > 1:
-            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.lockstep)
-        return bool(done)
+        done = bool(finished.all())
+        if self.lockstep is None:
+            return done
+        return comm.all_ranks(done, device=self.ctx.device, group=self.lockstep)
 
     @staticmethod
     def _routes(forwards: list, b: int, p_len: int) -> list:

@@ -1,0 +1,59 @@
+"""The MoE routers' auxiliary losses during training: their coefficients and their logged values.
+
+Megatron's ``TopKRouter`` adds its load-balancing loss (``moe_aux_loss_coeff``) and z-loss
+(``moe_z_loss_coeff``) to the gradient through ``MoEAuxLossAutoScaler`` and writes each layer's
+unscaled value into a process-wide tracker (``moe_utils.get_moe_layer_wise_logging_tracker``).
+This module is the one place that reads and clears that tracker and sets the coefficients, which
+the routers read at every forward: the warm-up uses the model's pretraining coefficients, RL the
+``algo`` ones (0 switches a loss off).
+
+Reduction (what the tracker holds per rank, and what is logged):
+- load balancing: each rank's value is its tokens' part of the micro-batch loss (Megatron sums
+  expert counts over the tensor x context-parallel group), so the sum over every rank, divided by
+  data-parallel replicas and micro-batches, is the mean per-micro-batch loss of the whole model;
+- z-loss: each rank's value is the mean over its own tokens, so the sum is also divided by the
+  tensor x context-parallel size.
+The logged ``aux_loss`` is the coefficient-weighted sum of both, as it enters the objective.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe import moe_utils
+
+from megatron_gspo import comm
+
+_LOAD_BALANCING = "load_balancing_loss"
+_Z_LOSS = "z_loss"
+
+
+def set_coefficients(config, *, aux_loss_coeff: float, z_loss_coeff: float) -> None:
+    """Coefficients the routers of the model with TransformerConfig ``config`` use from now on
+    (0 switches a loss off; the model must have been built with the aux-loss router type)."""
+    config.moe_aux_loss_coeff = float(aux_loss_coeff)
+    config.moe_z_loss_coeff = float(z_loss_coeff) if z_loss_coeff > 0 else None
+
+
+def reset() -> None:
+    """Forget the values of earlier forwards (call before a forward-backward that is logged)."""
+    moe_utils.clear_aux_losses_tracker()
+
+
+def collect(config, ctx, num_microbatches: int) -> dict:
+    """``aux_loss``, ``load_balancing_loss`` and ``z_loss`` of the forwards since ``reset``, the
+    same on every rank (one all-reduce over the world on the run's device), then reset."""
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+
+    def local(name: str) -> torch.Tensor:
+        entry = tracker.get(name)
+        if entry is None:
+            return torch.zeros((), dtype=torch.float64, device=ctx.device)
+        return entry["values"].detach().double().sum().to(ctx.device)
+
+    lb, z = comm.reduce_values([local(_LOAD_BALANCING), local(_Z_LOSS)], device=ctx.device)
+    lb /= ctx.dp * num_microbatches
+    z /= ctx.tp * ctx.cp * ctx.dp * num_microbatches
+    reset()
+    aux_coeff = float(config.moe_aux_loss_coeff or 0.0)
+    z_coeff = float(config.moe_z_loss_coeff or 0.0)
+    return {"aux_loss": aux_coeff * lb + z_coeff * z, "load_balancing_loss": lb, "z_loss": z}

@@ -1,0 +1,65 @@
+"""Layout-true metrics: the same run resumed from one step-0 checkpoint logs the same step on 1 rank
+and on every parallel layout (DP, TP+SP, PP, EP, CP), every logged metric up to rounding, on a step
+whose advantages and loss are not zero."""
+
+import math
+
+import pytest
+
+from tests.distributed import run_ranks
+from tests.trainer_workers import SHORT, merge, train_job
+
+# Enough warm-up that some sampled responses are right: a step with real advantages.
+LEARNABLE = merge(SHORT, {"trainer": {"steps": 2, "sft_steps": 40, "sft_lr": 0.01,
+                                      "keep_checkpoints": 5},
+                          "data": {"min_len": 1, "max_len": 2}, "seed": 5})
+
+LAYOUTS = {
+    "dp2": (2, {}),
+    "tp2_sp": (2, {"tp": 2, "sequence_parallel": True}),
+    "pp2": (2, {"pp": 2}),
+    "ep2": (2, {"ep": 2}),
+    "cp2": (2, {"cp": 2}),
+}
+
+
+def close(a, b, rel=1e-4, abs_=1e-6) -> bool:
+    if isinstance(a, list):
+        return len(a) == len(b) and all(close(x, y, rel, abs_) for x, y in zip(a, b))
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    return abs(a - b) <= rel * max(abs(a), abs(b)) + abs_
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("fresh"))
+    run_ranks(train_job, 1, merge(LEARNABLE, {"run_dir": base}))
+    start = f"{base}/checkpoints/step_000000"
+    out = {}
+    for name, (world, parallel) in {"single": (1, {}), **LAYOUTS}.items():
+        run_dir = str(tmp_path_factory.mktemp(name))
+        cfg = merge(LEARNABLE, {"run_dir": run_dir, "parallel": parallel,
+                                "trainer": {"resume": start}})
+        out[name] = run_ranks(train_job, world, cfg)[0]["rows"]
+    return out
+
+
+def step_row(rows, step):
+    return next(r for r in rows if r.get("step") == step and "train/loss" in r)
+
+
+def test_the_compared_step_learns(runs):
+    row = step_row(runs["single"], 1)
+    assert row["rollout/reward_std"] > 0 and row["rollout/informative_fraction"] > 0
+    assert abs(row["train/loss"]) > 1e-6 and row["train/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_logged_metric_matches_one_rank(runs, name):
+    ref, got = step_row(runs["single"], 1), step_row(runs[name], 1)
+    keys = [k for k in ref if not k.startswith("perf/") and k != "time"]
+    assert set(keys) <= set(got), f"{name} lacks {sorted(set(keys) - set(got))}"
+    bad = {k: (ref[k], got[k]) for k in keys if not close(ref[k], got[k])}
+    assert not bad, f"{name}: metrics differ from 1 rank: {bad}"
+    assert ref["rollout/reward_mean"] == got["rollout/reward_mean"]

@@ -82,8 +82,12 @@ class SDPAttention(DotProductAttention):
     def _gather_keys(self, key, value, packed_seq_params):
         """K and V of every CP rank along the sequence dim, and masks' global positions."""
         cp, rank = self.cp_group.size(), self.cp_group.rank()
-        keys = torch.cat(dist_nn.all_gather(key.contiguous(), group=self.cp_group), dim=0)
-        values = torch.cat(dist_nn.all_gather(value.contiguous(), group=self.cp_group), dim=0)
+        # One collective for K and V together: two would each reduce-scatter in the backward,
+        # and autograd may run those two backwards in a different order on different ranks
+        # (mismatched exchanges of same-shaped tensors: silently wrong gradients).
+        kv = torch.cat(dist_nn.all_gather(torch.stack([key, value]).contiguous(),
+                                          group=self.cp_group), dim=1)
+        keys, values = kv[0], kv[1]
         device = key.device
         if packed_seq_params is not None:
             cu = packed_seq_params.cu_seqlens_q.to(device=device, dtype=torch.long)

@@ -140,9 +140,11 @@ def policy_update(ddp, optimizer, mbs: list[MicroBatch], ctx: ParallelContext, a
     finite = all_finite(metrics.get("loss"), _grad_buffers(ddp), device=ctx.device)
     if not guard.check(finite, where):
         zero_grads(ddp, optimizer)
-        return UpdateResult(metrics, float("nan"), False)
+        return UpdateResult(metrics, float("nan"), False,
+                            extra={"cp_values_sent": reducer.values_sent})
     _, grad_norm, _ = optimizer.step()
-    return UpdateResult(metrics, float(grad_norm) if grad_norm is not None else 0.0, True)
+    return UpdateResult(metrics, float(grad_norm) if grad_norm is not None else 0.0, True,
+                        extra={"cp_values_sent": reducer.values_sent})
 
 
 def _grad_buffers(ddp) -> list:

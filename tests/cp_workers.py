@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -30,3 +32,69 @@ def cp_logprobs_job(hf_dir, parallel_kwargs, tokens_BS, sequences):
                     cu_seqlens=packed.cu_seqlens)
     packed_logp, _ = logprob_pass(gpt, [mb], ctx, temperature=1.0)
     return padded, packed_logp[0][packed.valid_N]
+
+
+def cp_update_job(hf_dir, parallel_kwargs, tokens_BS, delta_BS, adv_B, mask_BS, algo_name,
+                  replay_mode="none"):
+    """One RL update through the trainer's passes (behaviour log-probs, policy loss over the
+    context-parallel reduction, SGD): loss, grad norm, values sent over the CP group by the
+    sequence reduction, and the log-probs after the update (whole rows)."""
+    from megatron_gspo.config import AlgoConfig, ParallelConfig
+    from megatron_gspo.faults import NonFiniteGuard
+    from megatron_gspo.forward import MicroBatch
+    from megatron_gspo.hf_qwen3moe import load_hf_weights
+    from megatron_gspo.model import build_model
+    from megatron_gspo.optim import OptimConfig, wrap_and_build_optimizer
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.policy import logprob_pass, normalizer_for, policy_update
+    from megatron_gspo.rl_batch import router_view
+    from moe.instrument import local_layers_of
+    from moe.replay import RoutingReplay
+    from tests.model_workers import tiny_model_config
+
+    cfg = tiny_model_config(hf_dir)
+    ctx = init_parallel(ParallelConfig(**parallel_kwargs), cfg, seed=0)
+    gpt = build_model(cfg, ctx, moe_enable_routing_replay=replay_mode != "none")
+    load_hf_weights(gpt, hf_dir, cfg, ctx)
+    replay = RoutingReplay(gpt) if replay_mode != "none" else None
+    ddp, opt = wrap_and_build_optimizer(gpt, ctx, OptimConfig(
+        optimizer="sgd", lr=0.5, clip_grad=0.0, use_distributed_optimizer=False))
+    algo = AlgoConfig(name=algo_name).validate()
+    if os.environ.get("NO_AUX"):
+        from megatron_gspo import router_losses
+        router_losses.set_coefficients(gpt.config, aux_loss_coeff=0.0, z_loss_coeff=0.0)
+
+    def micro_batches(old=None):
+        out = []
+        for part in (list(range(0, len(tokens_BS), 2)), list(range(1, len(tokens_BS), 2))):
+            t = tokens_BS[part]
+            out.append(MicroBatch(t[:, :-1], t[:, 1:], loss_mask_BS=mask_BS[part],
+                                  advantages_B=adv_B[part],
+                                  old_logp_BS=None if old is None else old[part]))
+        return out
+
+    mbs = micro_batches()
+    targets = None
+    if replay_mode == "r3":  # routes from "the engine": a fixed pseudo-random assignment
+        g = torch.Generator().manual_seed(3)
+        layers = local_layers_of(cfg, ctx)
+        b, s = mbs[0].tokens_BS.shape
+        targets = [router_view(torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.top_k]
+                                            for _ in range(b * s * cfg.num_layers)]
+                                           ).reshape(b, s, cfg.num_layers, cfg.top_k), layers, ctx)
+                   for _ in mbs]
+    old, routes = logprob_pass(ddp, mbs, ctx, temperature=1.0, replay=replay,
+                               record=replay_mode == "r2", targets=targets)
+    old_rows = torch.cat([old[0::1]])
+    order = list(range(0, len(tokens_BS), 2)) + list(range(1, len(tokens_BS), 2))
+    full = torch.empty_like(old_rows)
+    full[torch.tensor(order)] = old_rows
+    mbs = micro_batches(full + delta_BS)
+    replayed = targets if replay_mode == "r3" else routes
+    result = policy_update(ddp, opt, mbs, ctx, algo, temperature=1.0,
+                           normalizer=normalizer_for(algo, mbs, ctx), guard=NonFiniteGuard(3),
+                           where="test", replay=replay, targets=replayed)
+    after, _ = logprob_pass(ddp, mbs, ctx, temperature=1.0, replay=replay, targets=replayed)
+    return {"metrics": {k: float(v) for k, v in result.metrics.items()},
+            "grad_norm": result.grad_norm, "after": after[torch.tensor(order).argsort()],
+            "values_sent": result.extra.get("cp_values_sent")}

@@ -87,3 +87,15 @@ def test_convert_hf_reports_bad_input(tmp_path):
     out = run("import", str(tmp_path), str(tmp_path / "out"), module="tools.convert_hf")
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == f"convert_hf: {tmp_path}: no config.json"
+
+
+def test_rl_step_script_runs_on_cpu_with_the_tiny_model():
+    """scripts/rl_step_1b.py (the one-GPU check's RL step) on CPU with the tiny model: every phase
+    runs and the update throughput is printed."""
+    out = subprocess.run([sys.executable, "scripts/rl_step_1b.py", "--model", "tiny", "--device",
+                          "cpu", "--prompts", "2", "--group", "2", "--response", "6",
+                          "--micro-batch", "2"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "phases: rollout" in out.stdout and "old_logprobs" in out.stdout
+    assert "model TFLOP/s" in out.stdout and "2 updates over" in out.stdout

@@ -34,9 +34,8 @@ def close(a, b, rel=1e-4, abs_=1e-6) -> bool:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = str(tmp_path_factory.mktemp("fresh"))
-    run_ranks(train_job, 1, merge(LEARNABLE, {"run_dir": base}))
+    out = {"fresh": run_ranks(train_job, 1, merge(LEARNABLE, {"run_dir": base}))[0]["rows"]}
     start = f"{base}/checkpoints/step_000000"
-    out = {}
     for name, (world, parallel) in {"single": (1, {}), **LAYOUTS}.items():
         run_dir = str(tmp_path_factory.mktemp(name))
         cfg = merge(LEARNABLE, {"run_dir": run_dir, "parallel": parallel,
@@ -47,6 +46,15 @@ def runs(tmp_path_factory):
 
 def step_row(rows, step):
     return next(r for r in rows if r.get("step") == step and "train/loss" in r)
+
+
+def test_resume_from_step_zero_repeats_the_uninterrupted_run_bitwise(runs):
+    def rl_rows(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("perf/") and k != "time"}
+                for r in rows if r.get("step", 0) > 0]
+
+    fresh, resumed = rl_rows(runs["fresh"]), rl_rows(runs["single"])
+    assert len(fresh) == 3 and fresh == resumed  # steps 1, 2 and the final evaluation
 
 
 def test_the_compared_step_learns(runs):

@@ -338,10 +338,16 @@ def from_pieces(rule: Rule, pieces: list) -> torch.Tensor:
     return torch.cat(pieces, rule.split_dim)
 
 
+# Router state of aux-loss-free balancing (model.router_expert_bias): Qwen3-MoE's HF format has
+# no such tensors. Loading leaves them at Megatron's initial zeros; exporting a model that has
+# them is refused (its routing would silently change).
+_ROUTER_BIAS_STATE = ("router.expert_bias", "router.local_tokens_per_expert")
+
+
 def _local_params(gpt) -> dict:
     return {k: v for k, v in gpt.state_dict().items()
             if not k.endswith("_extra_state") and isinstance(v, torch.Tensor)
-            and "rotary_pos_emb" not in k}
+            and "rotary_pos_emb" not in k and not k.endswith(_ROUTER_BIAS_STATE)}
 
 
 class TensorSource:
@@ -393,6 +399,9 @@ def _contributes(rule: Rule, ctx: ParallelContext) -> bool:
 @torch.no_grad()
 def gather_hf_state(gpt, m: ModelConfig, ctx: ParallelContext) -> Optional[dict]:
     """All ranks call; rank 0 gets {HF name: tensor} of the whole model, other ranks None."""
+    if m.router_expert_bias:
+        raise HFCheckpointError("model.router_expert_bias=True: the Qwen3-MoE HF format has no "
+                                "expert-bias tensor; export or sync weights without it")
     local = {}
     for name, param in _local_params(gpt).items():
         gname = global_name(name, m, ctx)

@@ -7,7 +7,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from megatron_gspo import cpu_backend, te
+from megatron_gspo import cpu_backend, router_losses, te
 from megatron_gspo.config import ModelConfig
 from megatron_gspo.parallel import ParallelContext
 
@@ -110,6 +110,8 @@ def build_model(model: ModelConfig, ctx: ParallelContext, **config_overrides):
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(model, ctx, **config_overrides)
+    if model.router_expert_bias:
+        router_losses.fix_expert_bias_padding()
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(config, ctx),

@@ -18,8 +18,11 @@ The logged ``aux_loss`` is the coefficient-weighted sum of both, as it enters th
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_gspo import comm
 
@@ -57,3 +60,30 @@ def collect(config, ctx, num_microbatches: int) -> dict:
     aux_coeff = float(config.moe_aux_loss_coeff or 0.0)
     z_coeff = float(config.moe_z_loss_coeff or 0.0)
     return {"aux_loss": aux_coeff * lb + z_coeff * z, "load_balancing_loss": lb, "z_loss": z}
+
+
+def _expert_bias_fix_needed() -> bool:
+    return "routing_map & (~padding_mask)" in inspect.getsource(TopKRouter._apply_expert_bias)
+
+
+def fix_expert_bias_padding() -> bool:
+    """megatron-core 0.16.1's ``TopKRouter._apply_expert_bias`` masks the [N, E] routing map with
+    the [N] padding mask, which does not broadcast: every forward with aux-loss-free balancing and
+    a padding mask raises. The replacement counts the routed experts of the non-padding tokens
+    (the documented intent). Idempotent; returns True while the fix is in force, and switches
+    itself off once upstream changes that line."""
+    if getattr(TopKRouter._apply_expert_bias, "_padding_fixed", False):
+        return True
+    if not _expert_bias_fix_needed():
+        return False
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    _apply_expert_bias._padding_fixed = True
+    TopKRouter._apply_expert_bias = _apply_expert_bias
+    return True

@@ -61,6 +61,8 @@ def test_the_compared_step_learns(runs):
     row = step_row(runs["single"], 1)
     assert row["rollout/reward_std"] > 0 and row["rollout/informative_fraction"] > 0
     assert abs(row["train/loss"]) > 1e-6 and row["train/grad_norm"] > 0
+    # RL's default router aux-loss coefficient is 0: the loss is the policy loss, exactly.
+    assert row["train/aux_loss"] == 0.0 and row["train/loss"] == row["train/policy_loss"]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

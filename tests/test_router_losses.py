@@ -1,0 +1,70 @@
+"""The MoE routers' auxiliary losses during RL: the load-balancing loss on response tokens only
+(checked against the Switch formula written out here), z-loss, aux-loss-free expert bias, and the
+settings' validation."""
+
+import pytest
+import torch
+
+from megatron_gspo.config import AlgoConfig, ConfigError, ModelConfig
+from tests.distributed import run_ranks
+from tests.router_workers import aux_loss_job
+
+
+def _batch():
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 128, (3, 13), generator=g)
+    mask = torch.zeros(3, 12)
+    mask[0, 4:] = 1.0
+    mask[1, 6:10] = 1.0  # padding after the response
+    mask[2, 2:5] = 1.0
+    return tokens, mask
+
+
+def switch_loss(logits_NE, valid_N, top_k):
+    """E / (k T^2) * sum_e (sum_t p_te) * (tokens routed to e), over the valid tokens only."""
+    x = logits_NE[valid_N].double()
+    probs = torch.softmax(x, -1)
+    counts = torch.zeros(x.shape[1], dtype=torch.float64)
+    counts.index_add_(0, x.topk(top_k, -1).indices.reshape(-1),
+                      torch.ones(x.shape[0] * top_k, dtype=torch.float64))
+    t = x.shape[0]
+    return float(x.shape[1] / (top_k * t * t) * (probs.sum(0) * counts).sum())
+
+
+def test_load_balancing_loss_sees_response_tokens_only(tiny_hf_checkpoint):
+    tokens, mask = _batch()
+    out = run_ranks(aux_loss_job, 1, tiny_hf_checkpoint, tokens, mask, 0.01, 0.0)[0]
+    valid = ~out["padding"]
+    assert 0 < int(valid.sum()) < valid.numel()
+    expected = sum(switch_loss(lg, valid, top_k=2) for lg in out["logits"])
+    assert out["load_balancing_loss"] == pytest.approx(expected, rel=1e-5)
+    assert out["aux_loss"] == pytest.approx(0.01 * expected, rel=1e-5)
+    everything = sum(switch_loss(lg, torch.ones_like(valid), top_k=2) for lg in out["logits"])
+    assert abs(everything - expected) > 1e-4  # the mask matters for this batch
+
+
+def test_zero_coefficients_add_nothing(tiny_hf_checkpoint):
+    tokens, mask = _batch()
+    out = run_ranks(aux_loss_job, 1, tiny_hf_checkpoint, tokens, mask, 0.0, 0.0)[0]
+    assert out["aux_loss"] == 0.0 and out["load_balancing_loss"] == 0.0 and out["z_loss"] == 0.0
+
+
+def test_z_loss_and_expert_bias(tiny_hf_checkpoint):
+    tokens, mask = _batch()
+    out = run_ranks(aux_loss_job, 1, tiny_hf_checkpoint, tokens, mask, 0.0, 1e-3,
+                    {"router_score_function": "sigmoid", "router_expert_bias": True})[0]
+    valid = ~out["padding"]
+    z = sum(float((torch.logsumexp(lg[valid].double(), -1) ** 2).mean()) for lg in out["logits"])
+    assert out["z_loss"] == pytest.approx(z, rel=1e-5)
+    assert out["aux_loss"] == pytest.approx(1e-3 * z, rel=1e-5)
+    assert out["expert_bias"] and all(b.abs().sum() > 0 for b in out["expert_bias"])
+
+
+def test_settings_are_validated():
+    with pytest.raises(ConfigError, match="model.router_expert_bias=True.*sigmoid"):
+        ModelConfig(router_expert_bias=True).validate()
+    with pytest.raises(ConfigError, match="algo.aux_loss_coeff=-1"):
+        AlgoConfig(aux_loss_coeff=-1).validate()
+    with pytest.raises(ConfigError, match="model.router_score_function='relu'"):
+        ModelConfig(router_score_function="relu").validate()
+    assert AlgoConfig().aux_loss_coeff == 0.0 and AlgoConfig().z_loss_coeff == 0.0

@@ -16,7 +16,9 @@ import os
 
 import torch
 
-from megatron_gspo.rl_batch import router_view
+from megatron_gspo.policy import logprob_pass
+from megatron_gspo.rl_batch import engine_route_targets, router_view
+from moe.report import summary_line, write_report
 from moe.instrument import (DriftLog, drift_between, expert_load, local_layers_of,
                             num_moe_layers)
 
@@ -30,8 +32,6 @@ class DriftProbe:
         self._before = None
 
     def _natural_routes(self, run, mbs) -> list:
-        from megatron_gspo.policy import logprob_pass
-
         _, routes = logprob_pass(run.ddp, mbs, self.ctx, temperature=self.job.rollout.temperature,
                                  replay=run.replay, record=True)
         return routes
@@ -82,8 +82,6 @@ class DriftProbe:
     def close(self, ctx) -> None:
         if ctx.rank != 0:
             return
-        from moe.report import summary_line, write_report
-
         path = os.path.join(self.run_dir, "drift_report.html")
         for s in write_report([self.run_dir], path):
             print(summary_line(s))
@@ -92,8 +90,6 @@ class DriftProbe:
 
 def run_targets(run, batch, rows: list) -> list:
     """The engine's routes of ``rows`` (one micro-batch), as this rank's routers see them."""
-    from megatron_gspo.rl_batch import engine_route_targets
-
     return engine_route_targets(batch, rows, len(rows), layers=run.drift.layers, ctx=run.ctx)
 
 

@@ -5,6 +5,8 @@ TensorBoard tags written every RL step (``moe/`` tags: see ``moe.instrument``):
 
 - ``train/loss``, ``train/clip_fraction``, ``train/ratio_mean``, ``train/ratio_min``,
   ``train/ratio_max``, ``train/entropy``, ``train/kl``: averages over the step's mini-batches
+- ``train/policy_loss``, ``train/aux_loss``: the two parts of ``train/loss`` (the policy objective;
+  the MoE routers' load-balancing and z-losses times their coefficients)
 - ``train/grad_norm`` (mean over the step's updates), ``train/lr``, ``train/skipped_updates``
   (total non-finite updates skipped so far)
 - ``rollout/reward_mean``, ``rollout/reward_std``, ``rollout/response_length``,

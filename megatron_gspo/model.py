@@ -6,8 +6,12 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_gspo import cpu_backend, router_losses, te
+from megatron_gspo.layers import RMSNorm, SDPAttention
 from megatron_gspo.config import ModelConfig
 from megatron_gspo.parallel import ParallelContext
 
@@ -16,8 +20,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def transformer_config(model: ModelConfig, ctx: ParallelContext, **overrides):
     """Megatron ``TransformerConfig`` for ``model`` under layout ``ctx``."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     dtype = _DTYPES[model.params_dtype]
     moe = {}
     if model.is_moe:
@@ -84,10 +86,6 @@ def transformer_config(model: ModelConfig, ctx: ParallelContext, **overrides):
 def layer_spec(config, ctx: ParallelContext):
     """Transformer Engine spec on GPU when TE imports; otherwise Megatron's local spec with an
     SP-capable RMSNorm and SDPA core attention in place of the unfused attention fallback."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    from megatron_gspo.layers import RMSNorm, SDPAttention
-
     if te.use_te_spec(ctx.device.type):
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, pp_rank=ctx.pp_rank)
     te.ensure_router_gemm_symbol()
@@ -107,8 +105,6 @@ def layer_spec(config, ctx: ParallelContext):
 
 def build_model(model: ModelConfig, ctx: ParallelContext, **config_overrides):
     """This rank's ``GPTModel`` (its pipeline stage, TP shard and local experts), on ctx.device."""
-    from megatron.core.models.gpt import GPTModel
-
     config = transformer_config(model, ctx, **config_overrides)
     if model.router_expert_bias:
         router_losses.fix_expert_bias_padding()

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                       finalize_model_grads)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_gspo.parallel import ParallelContext
 
@@ -32,9 +36,6 @@ def wrap_and_build_optimizer(gpt, ctx: ParallelContext, cfg: OptimConfig):
 
 def wrap_ddp(gpt, ctx: ParallelContext, *, use_distributed_optimizer: bool = True):
     """Megatron DistributedDataParallel around ``gpt`` (fp32 gradient reduction)."""
-    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                           finalize_model_grads)
-
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer)
     ddp = DistributedDataParallel(config=gpt.config, ddp_config=ddp_cfg, module=gpt,
@@ -47,8 +48,6 @@ def wrap_ddp(gpt, ctx: ParallelContext, *, use_distributed_optimizer: bool = Tru
 def build_optimizer(ddp, ctx: ParallelContext, cfg: OptimConfig):
     """A Megatron optimizer over ``ddp``'s parameters; its main weights start from the current
     model weights (build a new one to restart the moments, e.g. after a warm-up stage)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     gpt = ddp.module
     opt_cfg = OptimizerConfig(
         optimizer=cfg.optimizer, sgd_momentum=0.0, lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -62,8 +61,6 @@ def build_optimizer(ddp, ctx: ParallelContext, cfg: OptimConfig):
 def build_scheduler(optimizer, *, lr: float, min_lr: float, warmup: int, total: int, style: str):
     """Megatron's LR scheduler: linear warmup over ``warmup`` updates, then constant or cosine
     decay to ``min_lr`` at update ``total``."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0 if warmup else lr, max_lr=lr, min_lr=min_lr if style == "cosine" else lr,
         lr_warmup_steps=warmup, lr_decay_steps=max(total, warmup + 1), lr_decay_style=style,

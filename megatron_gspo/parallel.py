@@ -8,13 +8,20 @@ world size and the model before any process group is created.
 from __future__ import annotations
 
 import os
+import random
 import socket
+import subprocess
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_gspo import cpu_backend
 from megatron_gspo.config import ModelConfig, ParallelConfig
 
 
@@ -109,8 +116,6 @@ def env_from_slurm(environ=None) -> dict:
     env = os.environ if environ is None else environ
     if "RANK" in env or int(env.get("SLURM_NTASKS", "1")) <= 1 or "SLURM_PROCID" not in env:
         return {}
-    import subprocess
-
     nodes = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]],
                            capture_output=True, text=True, check=True).stdout.split()
     return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"],
@@ -132,8 +137,6 @@ def init_parallel(cfg: ParallelConfig, model: ModelConfig, *, seed: Optional[int
     dp = cfg.validate(world_size, model, device_type=device.type)
     backend = resolve_backend(cfg, device)
 
-    from megatron_gspo import cpu_backend
-
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
@@ -145,9 +148,6 @@ def init_parallel(cfg: ParallelConfig, model: ModelConfig, *, seed: Optional[int
         else:
             dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
                                     rank=0, world_size=1)
-
-    from megatron.core import parallel_state as ps
-    from megatron.core.process_groups_config import ProcessGroupCollection
 
     ps.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tp,
@@ -176,10 +176,6 @@ def init_parallel(cfg: ParallelConfig, model: ModelConfig, *, seed: Optional[int
 
 def seed_all(ctx: ParallelContext, seed: int) -> None:
     """Seed Python, numpy, torch and Megatron's RNG tracker the way Megatron offsets them per rank."""
-    import random
-
-    import numpy as np
-
     # Same offsets as megatron's model_parallel_cuda_manual_seed: pipeline stages differ, and the
     # tensor/expert-parallel streams differ per rank so that dropout masks are independent.
     stage_seed = seed + 100 * ctx.pp_rank
@@ -187,20 +183,14 @@ def seed_all(ctx: ParallelContext, seed: int) -> None:
     np.random.seed(stage_seed)
     torch.manual_seed(stage_seed)
     if ctx.device.type == "cuda":
-        from megatron.core import tensor_parallel
-
         tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
     else:
-        from megatron_gspo import cpu_backend
-
         cpu_backend.seed_rng_tracker(stage_seed, tp_rank=ctx.tp_rank, ep_rank=ctx.ep_rank,
                                      etp_rank=ctx.etp_rank)
 
 
 def destroy_parallel() -> None:
     """Tear down Megatron's groups and torch.distributed (for tests and clean exits)."""
-    from megatron.core import parallel_state as ps
-
     ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

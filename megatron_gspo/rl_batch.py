@@ -16,6 +16,7 @@ from megatron_gspo import comm
 from megatron_gspo.forward import MicroBatch
 from megatron_gspo.rollout.types import Sample
 from megatron_gspo.seqshard import zigzag_index
+from moe.records import RoutingRecord, padded_routes, rank_targets
 
 
 @dataclass
@@ -69,8 +70,6 @@ def build_batch(samples: Sequence[Sample], rewards_B: torch.Tensor, advantages_B
                 width: int, pad_id: int, num_experts: int = 0) -> RolloutBatch:
     """Pad ``samples`` to ``width`` fed tokens; a response of R tokens after a prompt of P has its
     targets at positions P-1 .. P+R-2."""
-    from moe.records import RoutingRecord
-
     b = len(samples)
     tokens = torch.full((b, width + 1), pad_id, dtype=torch.long)
     mask = torch.zeros(b, width)
@@ -122,8 +121,6 @@ def router_view(x_BSLK: torch.Tensor, layers, ctx) -> list:
     """Per-token values of whole rows ([B, S, L, K]) as this rank's routers see them: its
     context-parallel zigzag share, then its sequence-parallel slice, per local MoE layer [N, K]
     in Megatron's [s, b] order."""
-    from moe.records import rank_targets
-
     return rank_targets(x_BSLK, layers=layers, cp=ctx.cp, cp_rank=ctx.cp_rank,
                         cp_index=zigzag_index(x_BSLK.shape[1], ctx.cp, ctx.cp_rank),
                         tp=ctx.tp, tp_rank=ctx.tp_rank, sequence_parallel=ctx.sequence_parallel)
@@ -133,8 +130,6 @@ def engine_route_targets(batch: RolloutBatch, rows: Sequence[int], size: int, *,
                          ) -> list:
     """The engine's routes of ``rows``, per micro-batch and local MoE layer, as this rank's routers
     see them ([N, K] in Megatron's [s, b] order): R3 targets and rollout/train drift."""
-    from moe.records import padded_routes
-
     out = []
     for start in range(0, len(rows), size):
         part = list(rows[start:start + size])

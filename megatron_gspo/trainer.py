@@ -32,7 +32,7 @@ from megatron_gspo.checkpoint import CheckpointError, CheckpointManager
 from megatron_gspo.config import JobConfig, job_to_dict
 from megatron_gspo.data.prompts import PromptDataset, PromptRecord, read_prompt_file
 from megatron_gspo.data.synthetic import make_task
-from megatron_gspo.data.tokenizer import load_tokenizer
+from megatron_gspo.data.tokenizer import Tokenizer, load_tokenizer
 from megatron_gspo.drift_probe import DriftProbe
 from megatron_gspo.faults import REQUEUE_MARKER, NonFiniteGuard, StopRequested, StopSignals
 from megatron_gspo.hf_qwen3moe import SeededTensors, load_hf_weights
@@ -75,7 +75,7 @@ class Run:
 
     job: JobConfig
     ctx: ParallelContext
-    tokenizer: object  # data.tokenizer.CharTokenizer or a Hugging Face tokenizer
+    tokenizer: Tokenizer
     gpt: GPTModel
     ddp: DistributedDataParallel
     engine: Union[LocalEngine, SGLangEngine]

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_gspo import comm
 from moe.drift import drift_metrics, expert_counts, layer_drift_sums, load_metrics
+from moe.records import local_moe_layers
 
 DRIFT_LOG = "drift.jsonl"
 KINDS = ("update", "rollout_train")
@@ -146,8 +147,6 @@ def read_drift_log(run_dir: str) -> list[dict]:
 
 
 def local_layers_of(model_cfg, ctx) -> list[int]:
-    from moe.records import local_moe_layers
-
     return local_moe_layers(model_cfg.moe_layer_pattern, ctx.pp, ctx.pp_rank)
 
 

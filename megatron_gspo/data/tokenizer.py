@@ -83,6 +83,6 @@ class HFTokenizer:
         return self.tok.encode(prompt)
 
 
-def load_tokenizer(spec: str):
+def load_tokenizer(spec: str) -> Tokenizer:
     """``builtin`` for the character tokenizer, otherwise a local HF tokenizer directory."""
     return CharTokenizer() if spec == "builtin" else HFTokenizer(spec)

@@ -6,7 +6,8 @@ metric's sums) goes through these helpers: they build the tensor on ``device``, 
 Python numbers at the edge. None of them skips the collective when the group has one rank, so a
 one-GPU run goes through the same NCCL calls as a cluster run.
 
-``group=None`` means the default (world) group, as in ``torch.distributed``.
+``group=None`` means the default (world) group, as in ``torch.distributed``; inside a distributed
+run every call is a collective, whatever the group's size.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 
 
 def reduce_tensor(values: torch.Tensor, *, group=None, op: str = "sum") -> torch.Tensor:
-    """All-reduce ``values`` (already on the run's device) in place over ``group``; returns it."""
-    dist.all_reduce(values, op=_OPS[op], group=group)
+    """All-reduce ``values`` (already on the run's device) in place over ``group``; returns it.
+    Outside a distributed run (no process group at all: a library call in one process) the
+    values are already complete and are returned as they are."""
+    if dist.is_initialized():
+        dist.all_reduce(values, op=_OPS[op], group=group)
     return values
 
 

@@ -37,7 +37,7 @@ def drift_between(a: Sequence[Sequence[torch.Tensor]], b: Sequence[Sequence[torc
     complete over all ranks: layer sums over every rank (each holds distinct tokens or distinct
     layers), the any-layer flag of each token over the pipeline stages. Ranks with ``counted``
     False join the collectives but add nothing (so that every layout measures the same tokens).
-    Collectives run on ``device``, over the world and ``pp_group``."""
+    Collectives run on ``device``, over the world and ``pp_group`` (None: no pipeline stages)."""
     per_layer = torch.zeros(num_moe_layers, 3, dtype=torch.float64, device=device)
     weight = 1.0 if counted else 0.0
     changed = torch.zeros((), dtype=torch.float64, device=device)
@@ -50,10 +50,11 @@ def drift_between(a: Sequence[Sequence[torch.Tensor]], b: Sequence[Sequence[torc
         for x, y in zip(fa, fb):
             same = (x[:, :, None] == y[:, None, :]).any(-1).sum(-1) != k
             flags = torch.maximum(flags, same.double().to(device))
-        comm.reduce_tensor(flags, group=pp_group, op="max")
+        if pp_group is not None:  # the stages hold different layers of the same tokens
+            comm.reduce_tensor(flags, group=pp_group, op="max")
         changed += flags.sum() * weight
         total += flags.numel() * weight
-    pp = dist.get_world_size(pp_group)
+    pp = dist.get_world_size(pp_group) if pp_group is not None else 1
     tokens = comm.reduce_tensor(torch.stack([total, changed]) / pp)
     return drift_metrics(comm.reduce_tensor(per_layer).cpu(), tokens.cpu())
 

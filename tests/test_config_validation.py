@@ -17,7 +17,7 @@ BAD = [
     (ParallelConfig(tp=8, sequence_parallel=True), 8, MOE, "parallel.tp", "dividing"),
     (ParallelConfig(ep=2), 2, DENSE, "parallel.ep", "ep=1"),
     (ParallelConfig(sequence_parallel=True), 1, DENSE, "parallel.sequence_parallel", "tp >= 2"),
-    (ParallelConfig(cp=2), 2, MOE, "parallel.cp", "cp=1"),
+    (ParallelConfig(cp=3), 2, MOE, "parallel.tp*pp*cp", "multiple"),
     (ParallelConfig(ep=4), 2, MOE, "parallel.ep*etp*pp", "multiple"),
     (ParallelConfig(tp=0), 1, MOE, "parallel.tp", ">= 1"),
     (ParallelConfig(backend="mpi"), 1, MOE, "parallel.backend", "gloo"),
@@ -40,6 +40,7 @@ def test_bad_layout_names_key_and_fix(layout, world, model, key, fix):
     (ParallelConfig(), 1), (ParallelConfig(tp=2, sequence_parallel=True), 2),
     (ParallelConfig(ep=2), 2), (ParallelConfig(pp=2), 2),
     (ParallelConfig(tp=2, ep=2, sequence_parallel=True), 4), (ParallelConfig(pp=2, ep=2), 4),
+    (ParallelConfig(cp=2), 2), (ParallelConfig(cp=2, ep=2), 4),
 ])
 def test_good_layouts_give_data_parallel_size(layout, world):
     dp = layout.validate(world, MOE)

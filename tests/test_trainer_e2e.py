@@ -42,7 +42,10 @@ def arms(tmp_path_factory):
     out = {}
     for name, over in ARMS.items():
         run_dir = str(tmp_path_factory.mktemp(name))
-        cfg = merge(SHORT, {**over, "run_dir": run_dir, "seed": 5})
+        # The router aux loss moves the policy even on a step whose rewards are all equal, so
+        # that every later mini-batch is measurably off-policy (and it runs in every arm).
+        cfg = merge(merge(SHORT, {"algo": {"aux_loss_coeff": 1e-3}}),
+                    {**over, "run_dir": run_dir, "seed": 5})
         out[name] = (run_dir, run_ranks(train_job, 1, cfg)[0])
     return out
 

@@ -78,29 +78,28 @@ class UpdateResult:
 
 
 def combine_over_data_parallel(metrics: dict, algo: str, ctx: ParallelContext) -> dict:
-    """The metrics of the whole mini-batch from every data-parallel rank's share: two tensor
-    all-reduces on the run's device (sums and weighted sums; maxima)."""
+    """The metrics of the whole mini-batch from every data-parallel rank's share (see
+    ``losses.metric_kind``): one all-reduce of sums and count-weighted sums, one of maxima (minima
+    negated), on the run's device."""
     keys = sorted(metrics)
-    kinds = {k: metric_kind(algo, k) for k in keys}
-    weight = {k: metrics[kinds[k]] if kinds[k] in ("num_seqs", "num_tokens") else None
-              for k in keys}
-    sums = torch.stack([(metrics[k] * weight[k] if weight[k] is not None else metrics[k])
-                        .detach().double().reshape(()).to(ctx.device) for k in keys]
-                       ) if keys else torch.zeros(0, dtype=torch.float64, device=ctx.device)
-    comm.reduce_tensor(sums, group=ctx.dp_group)
-    extremes = torch.stack([(-metrics[k] if kinds[k] == "min" else metrics[k]).detach().double()
-                            .reshape(()).to(ctx.device) for k in keys]
-                           ) if keys else torch.zeros(0, dtype=torch.float64, device=ctx.device)
-    comm.reduce_tensor(extremes, group=ctx.dp_group, op="max")
+    kinds = [metric_kind(algo, k) for k in keys]
+
+    def stacked(values) -> torch.Tensor:
+        return torch.stack([v.detach().double().reshape(()).to(ctx.device) for v in values])
+
+    sums = comm.reduce_tensor(stacked([metrics[k] * metrics[kind] if kind.startswith("num_")
+                                       else metrics[k] for k, kind in zip(keys, kinds)]),
+                              group=ctx.dp_group)
+    maxima = comm.reduce_tensor(stacked([-metrics[k] if kind == "min" else metrics[k]
+                                         for k, kind in zip(keys, kinds)]),
+                                group=ctx.dp_group, op="max")
     total = dict(zip(keys, sums))
     out = {}
-    for i, k in enumerate(keys):
-        if kinds[k] == "sum":
-            out[k] = total[k]
-        elif kinds[k] in ("min", "max"):
-            out[k] = -extremes[i] if kinds[k] == "min" else extremes[i]
+    for k, kind, high in zip(keys, kinds, maxima):
+        if kind in ("min", "max"):
+            out[k] = -high if kind == "min" else high
         else:
-            out[k] = total[k] / total[kinds[k]].clamp_min(1e-12)
+            out[k] = total[k] if kind == "sum" else total[k] / total[kind].clamp_min(1e-12)
     return out
 
 

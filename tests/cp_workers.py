@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 
@@ -34,18 +32,27 @@ def cp_logprobs_job(hf_dir, parallel_kwargs, tokens_BS, sequences):
     return padded, packed_logp[0][packed.valid_N]
 
 
-def cp_update_job(hf_dir, parallel_kwargs, tokens_BS, delta_BS, adv_B, mask_BS, algo_name,
-                  replay_mode="none"):
+def cp_update_job(hf_dir, parallel_kwargs, cases):
+    """``_update`` for each case (``(tokens, delta, adv, mask, algo, replay)``), in one process
+    group."""
+    from megatron_gspo.config import ParallelConfig
+    from megatron_gspo.parallel import init_parallel
+    from tests.model_workers import tiny_model_config
+
+    ctx = init_parallel(ParallelConfig(**parallel_kwargs), tiny_model_config(hf_dir), seed=0)
+    return [_update(hf_dir, ctx, *case) for case in cases]
+
+
+def _update(hf_dir, ctx, tokens_BS, delta_BS, adv_B, mask_BS, algo_name, replay_mode):
     """One RL update through the trainer's passes (behaviour log-probs, policy loss over the
     context-parallel reduction, SGD): loss, grad norm, values sent over the CP group by the
     sequence reduction, and the log-probs after the update (whole rows)."""
-    from megatron_gspo.config import AlgoConfig, ParallelConfig
+    from megatron_gspo.config import AlgoConfig
     from megatron_gspo.faults import NonFiniteGuard
     from megatron_gspo.forward import MicroBatch
     from megatron_gspo.hf_qwen3moe import load_hf_weights
     from megatron_gspo.model import build_model
     from megatron_gspo.optim import OptimConfig, wrap_and_build_optimizer
-    from megatron_gspo.parallel import init_parallel
     from megatron_gspo.policy import logprob_pass, normalizer_for, policy_update
     from megatron_gspo.rl_batch import router_view
     from moe.instrument import local_layers_of
@@ -53,16 +60,12 @@ def cp_update_job(hf_dir, parallel_kwargs, tokens_BS, delta_BS, adv_B, mask_BS, 
     from tests.model_workers import tiny_model_config
 
     cfg = tiny_model_config(hf_dir)
-    ctx = init_parallel(ParallelConfig(**parallel_kwargs), cfg, seed=0)
     gpt = build_model(cfg, ctx, moe_enable_routing_replay=replay_mode != "none")
     load_hf_weights(gpt, hf_dir, cfg, ctx)
     replay = RoutingReplay(gpt) if replay_mode != "none" else None
     ddp, opt = wrap_and_build_optimizer(gpt, ctx, OptimConfig(
         optimizer="sgd", lr=0.5, clip_grad=0.0, use_distributed_optimizer=False))
     algo = AlgoConfig(name=algo_name).validate()
-    if os.environ.get("NO_AUX"):
-        from megatron_gspo import router_losses
-        router_losses.set_coefficients(gpt.config, aux_loss_coeff=0.0, z_loss_coeff=0.0)
 
     def micro_batches(old=None):
         out = []

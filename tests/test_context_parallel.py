@@ -73,11 +73,19 @@ ARMS = [("gspo", "none"), ("gspo_token", "none"), ("grpo", "none"), ("grpo", "r2
         ("grpo", "r3")]
 
 
-@pytest.mark.parametrize("algo,replay", ARMS, ids=[f"{a}-{r}" for a, r in ARMS])
-def test_one_update_with_cp2_equals_one_rank(tiny_hf_checkpoint, algo, replay):
-    args = (tiny_hf_checkpoint, None, *_update_inputs(), algo, replay)
-    one = run_ranks(cp_update_job, 1, *args[:1], {}, *args[2:])[0]
-    two = run_ranks(cp_update_job, 2, *args[:1], {"cp": 2}, *args[2:])
+@pytest.fixture(scope="module")
+def updates(tiny_hf_checkpoint):
+    """Every arm's update at width 17, and GSPO's at width 33, on 1 rank and with CP=2."""
+    cases = [(*_update_inputs(), algo, replay) for algo, replay in ARMS]
+    cases.append((*_update_inputs(33), "gspo", "none"))
+    one = run_ranks(cp_update_job, 1, tiny_hf_checkpoint, {}, cases)[0]
+    two = run_ranks(cp_update_job, 2, tiny_hf_checkpoint, {"cp": 2}, cases)
+    return one, two
+
+
+@pytest.mark.parametrize("arm", range(len(ARMS)), ids=[f"{a}-{r}" for a, r in ARMS])
+def test_one_update_with_cp2_equals_one_rank(updates, arm):
+    one, two = updates[0][arm], [rank[arm] for rank in updates[1]]
     assert one["grad_norm"] > 0 and abs(one["metrics"]["policy_loss"]) > 0
     for rank in two:
         for key in ("loss", "policy_loss", "aux_loss", "clip_fraction", "ratio_mean", "entropy"):
@@ -86,12 +94,8 @@ def test_one_update_with_cp2_equals_one_rank(tiny_hf_checkpoint, algo, replay):
         torch.testing.assert_close(rank["after"], one["after"], rtol=1e-5, atol=1e-5)
 
 
-def test_gspo_reduction_sends_per_sequence_values_only(tiny_hf_checkpoint):
-    sent = {}
-    for width in (17, 33):
-        tokens, delta, adv, mask = _update_inputs(width)
-        ranks = run_ranks(cp_update_job, 2, tiny_hf_checkpoint, {"cp": 2}, tokens, delta, adv,
-                          mask, "gspo", "none")
-        sent[width] = ranks[0]["values_sent"]
+def test_gspo_reduction_sends_per_sequence_values_only(updates):
+    short, long = updates[1][0][0], updates[1][0][-1]  # GSPO at 16 and 32 tokens per row
+    assert long["after"].shape[1] == 2 * short["after"].shape[1]
     # Two micro-batches of 2 sequences, 4 statistics each: 16 values, whatever the length.
-    assert sent[17] == sent[33] == 16
+    assert short["values_sent"] == long["values_sent"] == 16

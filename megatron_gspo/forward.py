@@ -8,8 +8,8 @@ Shapes: ``B`` micro-batch size, ``S`` sequence length, ``C`` tokens this CP rank
 
 from __future__ import annotations
 
-import functools
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 

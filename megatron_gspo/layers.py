@@ -76,7 +76,7 @@ class SDPAttention(DotProductAttention):
                          attention_dropout=attention_dropout, softmax_scale=softmax_scale,
                          cp_comm_type=cp_comm_type, pg_collection=pg_collection)
         self.config = config
-        self.cp_group = getattr(pg_collection, "cp", None) if config.context_parallel_size > 1 else None
+        self.cp_group = pg_collection.cp if config.context_parallel_size > 1 else None
         self.context_parallel = self.cp_group is not None  # off while decoding (see below)
 
     def _gather_keys(self, key, value, packed_seq_params):
@@ -120,8 +120,8 @@ class SDPAttention(DotProductAttention):
         v_BGSD = value.permute(1, 2, 0, 3)
 
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        if mask is not None:
-            pass
+        if self.context_parallel:
+            pass  # the mask in global positions, from _gather_keys
         elif thd:
             mask = packed_causal_mask(packed_seq_params.cu_seqlens_q, sq)
         elif attention_mask is not None:
@@ -149,6 +149,11 @@ def context_parallel_disabled(gpt):
     ropes = [m for m in gpt.modules() if isinstance(m, RotaryEmbedding)]
     saved = [r.cp_group for r in ropes]
     if not attentions:
+        if gpt.config.context_parallel_size > 1:  # Transformer Engine's CP attention
+            raise NotImplementedError(
+                "parallel.cp>1 with rollout.engine=local decodes whole rows, which Transformer "
+                "Engine's context-parallel attention cannot; use rollout.engine=sglang, or the "
+                "SDPA attention (an image without transformer_engine)")
         yield
         return
     # RotaryEmbedding.forward is lru_cached on its arguments, not on ``cp_group``: clear it on

@@ -4,13 +4,14 @@
 #
 #   bash scripts/device_check.sh [WHEEL_DIR]      (default: ./wheels)
 #
-# WHEEL_DIR holds what the GPU image lacks, made beforehand on a connected machine with ONE command
-# (3.2 MB; Transformer Engine is not needed: the local layer spec runs with SDPA attention):
+# WHEEL_DIR holds what the GPU image lacks (the versions of docker/requirements.txt), made beforehand
+# on a connected machine with ONE command (3.2 MB; no Transformer Engine: the local layer spec runs
+# with SDPA attention):
 #
 #   python3 -m pip download --no-deps --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d wheels \
-#     megatron-core==0.16.1 hydra-core==1.3.2 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 \
-#     math-verify==0.8.0 latex2sympy2_extended==1.10.2 hydra-submitit-launcher==1.2.0 submitit==1.5.3
+#     megatron-core==0.16.1 hydra-core==1.3.8 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 \
+#     math-verify==0.9.0 latex2sympy2_extended==1.11.0 hydra-submitit-launcher==1.2.0 submitit==1.5.4
 #
 # Steps: the tests marked gpu; the main job on the GPU in bf16 (20 RL steps of the tiny model,
 # world size 1 under NCCL); one RL step of a ~1B-parameter MoE with 512-token responses

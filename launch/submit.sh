@@ -19,12 +19,15 @@
 #   --model-path PATH     HF checkpoint the SGLang servers start from
 #   --run-dir DIR         run directory, fixed across requeues so that the job resumes
 #                         (default runs/slurm/<timestamp>)
+#   --smoke               instead of training: run docker/smoke.sh in the container on one node
+#                         (one GPU; needs --container-image)
 #   --dry-run             print the sbatch command and every command the job would run
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 NODES=1 GPUS=8 PARTITION="" ACCOUNT="" TIME="04:00:00" SIGNAL_S=300
 IMAGE="" MOUNTS="" SGLANG="none" SGLANG_NODES=0 SGLANG_TP="" MODEL_PATH="" RUN_DIR="" DRY_RUN=""
+SMOKE=""
 
 die() { echo "submit.sh: $*" >&2; exit 2; }
 
@@ -44,6 +47,7 @@ while [[ $# -gt 0 ]]; do
     --model-path) MODEL_PATH="$2"; shift 2 ;;
     --run-dir) RUN_DIR="$2"; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
+    --smoke) SMOKE=1; shift ;;
     --) shift; break ;;
     -*) die "unknown option $1 (see the header of launch/submit.sh)" ;;
     *) break ;;
@@ -62,6 +66,21 @@ if [[ "$SGLANG" != none && -z "$MODEL_PATH" ]]; then die "--sglang $SGLANG needs
 if [[ -z "$DRY_RUN" && -z "$PARTITION" ]]; then die "--partition is required"; fi
 RUN_DIR="${RUN_DIR:-runs/slurm/$(date +%Y-%m-%d_%H-%M-%S)}"
 LOG_DIR="$RUN_DIR/logs"
+
+if [[ -n "$SMOKE" ]]; then  # the image's smoke test as a one-node, one-GPU job
+  [[ -n "$IMAGE" ]] || die "--smoke needs --container-image (the image to check)"
+  STEP=(srun --ntasks=1 --container-image="$IMAGE" --container-workdir=/workspace/megatron-gspo)
+  [[ -n "$MOUNTS" ]] && STEP+=(--container-mounts="$MOUNTS")
+  STEP+=(bash docker/smoke.sh)
+  SMOKE_JOB=(sbatch --nodes=1 --gpus=1 --time=00:20:00 --job-name=megatron-gspo-smoke
+             --output="$LOG_DIR/smoke_%j.out")
+  [[ -n "$PARTITION" ]] && SMOKE_JOB+=(--partition="$PARTITION")
+  [[ -n "$ACCOUNT" ]] && SMOKE_JOB+=(--account="$ACCOUNT")
+  SMOKE_JOB+=(--wrap "$(printf '%q ' "${STEP[@]}")")
+  if [[ -n "$DRY_RUN" ]]; then printf '+'; printf ' %q' "${SMOKE_JOB[@]}"; printf '\n'; exit 0; fi
+  mkdir -p "$LOG_DIR"
+  exec "${SMOKE_JOB[@]}"
+fi
 
 export MG_GPUS_PER_NODE="$GPUS" MG_TRAIN_NODES=$((NODES - SGLANG_NODES)) MG_SGLANG="$SGLANG"
 export MG_SGLANG_NODES="$SGLANG_NODES" MG_SGLANG_TP="${SGLANG_TP:-$GPUS}" MG_MODEL_PATH="$MODEL_PATH"

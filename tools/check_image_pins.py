@@ -1,0 +1,122 @@
+"""Check the GPU image's pins against what the project runs (nothing here can build the image, so
+its pins must be right by construction):
+
+    python -m tools.check_image_pins
+
+- Transformer Engine (``ARG TE_VERSION`` in the Dockerfile) inside the range the installed
+  megatron-core declares for it (its ``dev`` extra);
+- megatron-core in ``docker/requirements.txt`` equal to the installed one (what the tests ran)
+  and inside setup.py's requirement;
+- SGLang (``ARG SGLANG_VERSION``) equal to the version the client targets
+  (``megatron_gspo.rollout.sglang_engine.SGLANG_VERSION``).
+
+Prints one line per problem and exits 1, or prints the pins and exits 0.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import sys
+from typing import Optional
+
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def dockerfile_args(text: str) -> dict:
+    """``ARG NAME=value`` defaults of a Dockerfile."""
+    return dict(re.findall(r"^\s*ARG\s+([A-Za-z_][A-Za-z0-9_]*)=(\S+)\s*$", text, re.M))
+
+
+def requirement_pins(text: str) -> dict:
+    """{normalised name: version} of the ``name==version`` lines of a requirements file."""
+    pins = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        req = Requirement(line)
+        exact = [s.version for s in req.specifier if s.operator == "=="]
+        if exact:
+            pins[_norm(req.name)] = exact[0]
+    return pins
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def declared_range(requires: list, dependency: str, extra: Optional[str] = None) -> SpecifierSet:
+    """The version range a package's metadata declares for ``dependency`` (in ``extra``)."""
+    for line in requires:
+        req = Requirement(line)
+        if _norm(req.name) != _norm(dependency):
+            continue
+        if extra is None or (req.marker is not None and req.marker.evaluate({"extra": extra})):
+            return req.specifier
+    raise LookupError(f"no requirement on {dependency} (extra {extra}) in the metadata")
+
+
+def setup_requirement(setup_text: str, name: str) -> SpecifierSet:
+    match = re.search(rf'"({re.escape(name)}[^"]*)"', setup_text)
+    if not match:
+        raise LookupError(f"setup.py does not require {name}")
+    return Requirement(match.group(1)).specifier
+
+
+def problems(dockerfile: str, requirements: str, setup_text: str, *, megatron_requires: list,
+             megatron_installed: str, sglang_client: str) -> list:
+    """One line per pin that does not fit."""
+    args, pins, out = dockerfile_args(dockerfile), requirement_pins(requirements), []
+    te_range = declared_range(megatron_requires, "transformer-engine", extra="dev")
+    te = args.get("TE_VERSION")
+    if te is None:
+        out.append("Dockerfile: no ARG TE_VERSION=...")
+    elif not te_range.contains(Version(te), prereleases=True):
+        out.append(f"Dockerfile: TE_VERSION={te} is outside megatron-core {megatron_installed}'s "
+                   f"transformer-engine{te_range}")
+    mcore = pins.get("megatron-core")
+    if mcore != megatron_installed:
+        out.append(f"docker/requirements.txt: megatron-core=={mcore}, but the tests run "
+                   f"megatron-core {megatron_installed}")
+    if mcore and not setup_requirement(setup_text, "megatron-core").contains(mcore):
+        out.append(f"docker/requirements.txt: megatron-core=={mcore} is outside setup.py's "
+                   f"megatron-core{setup_requirement(setup_text, 'megatron-core')}")
+    sglang = args.get("SGLANG_VERSION")
+    if sglang != sglang_client:
+        out.append(f"Dockerfile: SGLANG_VERSION={sglang}, but the client targets SGLang "
+                   f"{sglang_client} (megatron_gspo/rollout/sglang_engine.py SGLANG_VERSION)")
+    return out
+
+
+def check_repository(root: str = ROOT) -> tuple[list, dict]:
+    from megatron_gspo.rollout.sglang_engine import SGLANG_VERSION
+
+    def read(*parts):
+        with open(os.path.join(root, *parts)) as f:
+            return f.read()
+
+    dockerfile = read("Dockerfile")
+    found = problems(dockerfile, read("docker", "requirements.txt"), read("setup.py"),
+                     megatron_requires=importlib.metadata.requires("megatron-core") or [],
+                     megatron_installed=importlib.metadata.version("megatron-core"),
+                     sglang_client=SGLANG_VERSION)
+    return found, dockerfile_args(dockerfile)
+
+
+def main() -> int:
+    found, args = check_repository()
+    for line in found:
+        print(line)
+    if not found:
+        print("image pins fit: " + ", ".join(f"{k}={v}" for k, v in sorted(args.items())))
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -60,6 +60,21 @@ def train_job(cfg: dict) -> dict:
     return {"history": history, "rows": read_metrics(cfg["run_dir"])}
 
 
+def _forced_micro_batches(run) -> list:
+    """Step 1's rollout as micro-batches with behaviour log-probs and advantages spread over
+    [-1, 1]: a gradient whatever the rewards."""
+    import torch
+
+    from megatron_gspo import trainer
+    from megatron_gspo.rl_batch import micro_batches
+
+    records, samples = trainer.rollout(run, 1)
+    batch = trainer.make_batch(run, samples, trainer.score(run, records, samples))
+    batch.advantages_B = torch.linspace(-1, 1, batch.rows)
+    trainer.old_logprobs(run, batch)
+    return micro_batches(batch, list(range(batch.rows)), run.job.trainer.micro_batch_size)
+
+
 def nan_update_job(cfg: dict) -> dict:
     """One normal update, then one with an injected NaN gradient (on rank 0 only): the second is
     skipped on every rank with the weights and the optimizer state bitwise unchanged."""
@@ -72,13 +87,8 @@ def nan_update_job(cfg: dict) -> dict:
     run = trainer.setup(job)
     trainer.build_rl_optimizer(run)
     from megatron_gspo.policy import normalizer_for, policy_update
-    from megatron_gspo.rl_batch import micro_batches
 
-    records, samples = trainer.rollout(run, 1)
-    batch = trainer.make_batch(run, samples, trainer.score(run, records, samples))
-    batch.advantages_B = torch.linspace(-1, 1, batch.rows)  # a gradient whatever the rewards
-    trainer.old_logprobs(run, batch)
-    mbs = micro_batches(batch, list(range(batch.rows)), job.trainer.micro_batch_size)
+    mbs = _forced_micro_batches(run)
 
     def snapshot():
         params = [p.detach().clone() for p in run.gpt.parameters()]
@@ -120,17 +130,12 @@ def step0_resume_job(cfg: dict) -> dict:
     from megatron_gspo import trainer
     from megatron_gspo.config import job_from_dict
     from megatron_gspo.policy import normalizer_for, policy_update
-    from megatron_gspo.rl_batch import micro_batches
 
     job = job_from_dict(cfg)
     run = trainer.setup(job)
     trainer.build_rl_optimizer(run)
     path = trainer.save(run, 0)
-    records, samples = trainer.rollout(run, 1)
-    batch = trainer.make_batch(run, samples, trainer.score(run, records, samples))
-    batch.advantages_B = torch.linspace(-1, 1, batch.rows)  # a gradient whatever the rewards
-    trainer.old_logprobs(run, batch)
-    mbs = micro_batches(batch, list(range(batch.rows)), job.trainer.micro_batch_size)
+    mbs = _forced_micro_batches(run)
 
     def params():
         return [p.detach().clone() for p in run.gpt.parameters()]

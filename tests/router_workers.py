@@ -7,24 +7,32 @@ import dataclasses
 import torch
 
 
-def aux_loss_job(hf_dir, tokens_BS, mask_BS, aux_coeff, z_coeff, model_overrides=None):
+def aux_loss_job(hf_dir, tokens_BS, mask_BS, cases):
+    """``_aux_losses`` for each case ``(aux_coeff, z_coeff, model_overrides)``, in one process
+    group."""
+    from megatron_gspo.config import ParallelConfig
+    from megatron_gspo.parallel import init_parallel
+    from tests.model_workers import tiny_model_config
+
+    ctx = init_parallel(ParallelConfig(), tiny_model_config(hf_dir), seed=0)
+    return [_aux_losses(hf_dir, ctx, tokens_BS, mask_BS, *case) for case in cases]
+
+
+def _aux_losses(hf_dir, ctx, tokens_BS, mask_BS, aux_coeff, z_coeff, model_overrides):
     """One forward-backward with the auxiliary-loss mask; returns the logged router losses and,
     per MoE layer, the router's input-token logits [N, E] and the padding flags (Megatron's
-    [s, b] order) to check them by hand; also the expert bias after a second step."""
+    [s, b] order) to check them by hand; also the expert bias after the update."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megatron_gspo import router_losses
-    from megatron_gspo.config import ParallelConfig
     from megatron_gspo.forward import MicroBatch, forward_backward
     from megatron_gspo.hf_qwen3moe import load_hf_weights
     from megatron_gspo.logprobs import token_logprobs
     from megatron_gspo.model import build_model
     from megatron_gspo.optim import OptimConfig, wrap_and_build_optimizer, zero_grads
-    from megatron_gspo.parallel import init_parallel
     from tests.model_workers import tiny_model_config
 
     cfg = dataclasses.replace(tiny_model_config(hf_dir), **(model_overrides or {}))
-    ctx = init_parallel(ParallelConfig(), cfg, seed=0)
     gpt = build_model(cfg, ctx)
     load_hf_weights(gpt, hf_dir, cfg, ctx)
     ddp, opt = wrap_and_build_optimizer(gpt, ctx, OptimConfig(

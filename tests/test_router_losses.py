@@ -31,9 +31,19 @@ def switch_loss(logits_NE, valid_N, top_k):
     return float(x.shape[1] / (top_k * t * t) * (probs.sum(0) * counts).sum())
 
 
-def test_load_balancing_loss_sees_response_tokens_only(tiny_hf_checkpoint):
+CASES = {"aux": (0.01, 0.0, None), "off": (0.0, 0.0, None),
+         "z_bias": (0.0, 1e-3, {"router_score_function": "sigmoid", "router_expert_bias": True})}
+
+
+@pytest.fixture(scope="module")
+def losses(tiny_hf_checkpoint):
     tokens, mask = _batch()
-    out = run_ranks(aux_loss_job, 1, tiny_hf_checkpoint, tokens, mask, 0.01, 0.0)[0]
+    out = run_ranks(aux_loss_job, 1, tiny_hf_checkpoint, tokens, mask, list(CASES.values()))[0]
+    return dict(zip(CASES, out))
+
+
+def test_load_balancing_loss_sees_response_tokens_only(losses):
+    out = losses["aux"]
     valid = ~out["padding"]
     assert 0 < int(valid.sum()) < valid.numel()
     expected = sum(switch_loss(lg, valid, top_k=2) for lg in out["logits"])
@@ -43,16 +53,13 @@ def test_load_balancing_loss_sees_response_tokens_only(tiny_hf_checkpoint):
     assert abs(everything - expected) > 1e-4  # the mask matters for this batch
 
 
-def test_zero_coefficients_add_nothing(tiny_hf_checkpoint):
-    tokens, mask = _batch()
-    out = run_ranks(aux_loss_job, 1, tiny_hf_checkpoint, tokens, mask, 0.0, 0.0)[0]
+def test_zero_coefficients_add_nothing(losses):
+    out = losses["off"]
     assert out["aux_loss"] == 0.0 and out["load_balancing_loss"] == 0.0 and out["z_loss"] == 0.0
 
 
-def test_z_loss_and_expert_bias(tiny_hf_checkpoint):
-    tokens, mask = _batch()
-    out = run_ranks(aux_loss_job, 1, tiny_hf_checkpoint, tokens, mask, 0.0, 1e-3,
-                    {"router_score_function": "sigmoid", "router_expert_bias": True})[0]
+def test_z_loss_and_expert_bias(losses):
+    out = losses["z_bias"]
     valid = ~out["padding"]
     z = sum(float((torch.logsumexp(lg[valid].double(), -1) ** 2).mean()) for lg in out["logits"])
     assert out["z_loss"] == pytest.approx(z, rel=1e-5)

@@ -5,20 +5,17 @@ from __future__ import annotations
 import torch
 
 
-def cp_logprobs_job(hf_dir, parallel_kwargs, tokens_BS, sequences):
+def _logprobs(hf_dir, ctx, tokens_BS, sequences):
     """Per-token log-probs of a padded batch (whole rows gathered from the CP ranks) and of the
     same sequences packed in one THD row (each padded to 2 x cp chunks)."""
-    from megatron_gspo.config import ParallelConfig
     from megatron_gspo.forward import MicroBatch
     from megatron_gspo.hf_qwen3moe import load_hf_weights
     from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import init_parallel
     from megatron_gspo.policy import logprob_pass
     from megatron_gspo.seqshard import pack_sequences
     from tests.model_workers import tiny_model_config
 
     cfg = tiny_model_config(hf_dir)
-    ctx = init_parallel(ParallelConfig(**parallel_kwargs), cfg, seed=0)
     gpt = build_model(cfg, ctx)
     load_hf_weights(gpt, hf_dir, cfg, ctx)
     mbs = [MicroBatch(t[:, :-1], t[:, 1:]) for t in tokens_BS.chunk(2)]
@@ -32,15 +29,16 @@ def cp_logprobs_job(hf_dir, parallel_kwargs, tokens_BS, sequences):
     return padded, packed_logp[0][packed.valid_N]
 
 
-def cp_update_job(hf_dir, parallel_kwargs, cases):
-    """``_update`` for each case (``(tokens, delta, adv, mask, algo, replay)``), in one process
-    group."""
+def cp_job(hf_dir, parallel_kwargs, logprob_inputs, cases):
+    """In one process group: ``_logprobs`` of ``(tokens, sequences)`` and ``_update`` for each
+    case ``(tokens, delta, adv, mask, algo, replay)``."""
     from megatron_gspo.config import ParallelConfig
     from megatron_gspo.parallel import init_parallel
     from tests.model_workers import tiny_model_config
 
     ctx = init_parallel(ParallelConfig(**parallel_kwargs), tiny_model_config(hf_dir), seed=0)
-    return [_update(hf_dir, ctx, *case) for case in cases]
+    return {"logprobs": _logprobs(hf_dir, ctx, *logprob_inputs),
+            "updates": [_update(hf_dir, ctx, *case) for case in cases]}
 
 
 def _update(hf_dir, ctx, tokens_BS, delta_BS, adv_B, mask_BS, algo_name, replay_mode):

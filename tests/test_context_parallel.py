@@ -7,7 +7,7 @@ import torch
 
 from megatron_gspo.forward import MicroBatch
 from megatron_gspo.seqshard import pack_sequences, zigzag_index
-from tests.cp_workers import cp_logprobs_job, cp_update_job
+from tests.cp_workers import cp_job
 from tests.distributed import run_ranks
 
 
@@ -37,23 +37,11 @@ def test_packed_zigzag_takes_each_sequence_in_chunks():
     assert zigzag_index(6, 1, 0).tolist() == list(range(6))
 
 
-@pytest.fixture(scope="module")
-def batch():
+def _logprob_inputs():
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, 128, (4, 17), generator=g)
     sequences = [torch.randint(0, 128, (n,), generator=g) for n in (9, 14, 6)]
     return tokens, sequences
-
-
-def test_logprobs_with_cp2_equal_one_rank(tiny_hf_checkpoint, batch):
-    tokens, sequences = batch
-    one = run_ranks(cp_logprobs_job, 1, tiny_hf_checkpoint, {}, tokens, sequences)[0]
-    for padded, packed in run_ranks(cp_logprobs_job, 2, tiny_hf_checkpoint, {"cp": 2}, tokens,
-                                    sequences):
-        assert padded.shape == one[0].shape == (4, 16)
-        torch.testing.assert_close(padded, one[0], rtol=0, atol=1e-5)
-        assert packed.shape == one[1].shape == (sum(len(s) - 1 for s in sequences),)
-        torch.testing.assert_close(packed, one[1], rtol=0, atol=1e-5)
 
 
 def _update_inputs(width=17):
@@ -74,18 +62,29 @@ ARMS = [("gspo", "none"), ("gspo_token", "none"), ("grpo", "none"), ("grpo", "r2
 
 
 @pytest.fixture(scope="module")
-def updates(tiny_hf_checkpoint):
-    """Every arm's update at width 17, and GSPO's at width 33, on 1 rank and with CP=2."""
+def runs(tiny_hf_checkpoint):
+    """Log-probs, every arm's update at width 17 and GSPO's at width 33: 1 rank and CP=2."""
     cases = [(*_update_inputs(), algo, replay) for algo, replay in ARMS]
     cases.append((*_update_inputs(33), "gspo", "none"))
-    one = run_ranks(cp_update_job, 1, tiny_hf_checkpoint, {}, cases)[0]
-    two = run_ranks(cp_update_job, 2, tiny_hf_checkpoint, {"cp": 2}, cases)
+    one = run_ranks(cp_job, 1, tiny_hf_checkpoint, {}, _logprob_inputs(), cases)[0]
+    two = run_ranks(cp_job, 2, tiny_hf_checkpoint, {"cp": 2}, _logprob_inputs(), cases)
     return one, two
 
 
+def test_logprobs_with_cp2_equal_one_rank(runs):
+    one, two = runs
+    sequences = _logprob_inputs()[1]
+    for rank in two:
+        padded, packed = rank["logprobs"]
+        assert padded.shape == one["logprobs"][0].shape == (4, 16)
+        torch.testing.assert_close(padded, one["logprobs"][0], rtol=0, atol=1e-5)
+        assert packed.shape == one["logprobs"][1].shape == (sum(len(s) - 1 for s in sequences),)
+        torch.testing.assert_close(packed, one["logprobs"][1], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("arm", range(len(ARMS)), ids=[f"{a}-{r}" for a, r in ARMS])
-def test_one_update_with_cp2_equals_one_rank(updates, arm):
-    one, two = updates[0][arm], [rank[arm] for rank in updates[1]]
+def test_one_update_with_cp2_equals_one_rank(runs, arm):
+    one, two = runs[0]["updates"][arm], [rank["updates"][arm] for rank in runs[1]]
     assert one["grad_norm"] > 0 and abs(one["metrics"]["policy_loss"]) > 0
     for rank in two:
         for key in ("loss", "policy_loss", "aux_loss", "clip_fraction", "ratio_mean", "entropy"):
@@ -94,8 +93,9 @@ def test_one_update_with_cp2_equals_one_rank(updates, arm):
         torch.testing.assert_close(rank["after"], one["after"], rtol=1e-5, atol=1e-5)
 
 
-def test_gspo_reduction_sends_per_sequence_values_only(updates):
-    short, long = updates[1][0][0], updates[1][0][-1]  # GSPO at 16 and 32 tokens per row
+def test_gspo_reduction_sends_per_sequence_values_only(runs):
+    updates = runs[1][0]["updates"]
+    short, long = updates[0], updates[-1]  # GSPO at 16 and 32 tokens per row
     assert long["after"].shape[1] == 2 * short["after"].shape[1]
     # Two micro-batches of 2 sequences, 4 statistics each: 16 values, whatever the length.
     assert short["values_sent"] == long["values_sent"] == 16

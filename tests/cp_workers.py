@@ -38,7 +38,33 @@ def cp_job(hf_dir, parallel_kwargs, logprob_inputs, cases):
 
     ctx = init_parallel(ParallelConfig(**parallel_kwargs), tiny_model_config(hf_dir), seed=0)
     return {"logprobs": _logprobs(hf_dir, ctx, *logprob_inputs),
-            "updates": [_update(hf_dir, ctx, *case) for case in cases]}
+            "updates": [_update(hf_dir, ctx, *case) for case in cases],
+            "sft": _sft(hf_dir, ctx, logprob_inputs[0])}
+
+
+def _sft(hf_dir, ctx, tokens_BS):
+    """One supervised update (the warm-up's) on prompt + answer rows: loss, batch accuracy and
+    the log-probs after it."""
+    from megatron_gspo.faults import NonFiniteGuard
+    from megatron_gspo.hf_qwen3moe import load_hf_weights
+    from megatron_gspo.model import build_model
+    from megatron_gspo.optim import OptimConfig, wrap_and_build_optimizer
+    from megatron_gspo.policy import logprob_pass, sft_micro_batches, sft_update
+    from tests.model_workers import tiny_model_config
+
+    cfg = tiny_model_config(hf_dir)
+    gpt = build_model(cfg, ctx)
+    load_hf_weights(gpt, hf_dir, cfg, ctx)
+    ddp, opt = wrap_and_build_optimizer(gpt, ctx, OptimConfig(
+        optimizer="sgd", lr=0.5, clip_grad=0.0, use_distributed_optimizer=False))
+    prompts = [row[:5 + i].tolist() for i, row in enumerate(tokens_BS)]
+    answers = [row[5 + i:12].tolist() for i, row in enumerate(tokens_BS)]
+    mbs = sft_micro_batches(prompts, answers, eos_id=2, pad_id=0, size=2, width=17)
+    tokens = sum(float(mb.loss_mask_BS.sum()) for mb in mbs)
+    loss, accuracy = sft_update(ddp, opt, mbs, ctx, normalizer=tokens, guard=NonFiniteGuard(3),
+                                where="test")
+    after, _ = logprob_pass(ddp, mbs, ctx, temperature=1.0)
+    return {"loss": loss, "accuracy": accuracy, "after": after}
 
 
 def _update(hf_dir, ctx, tokens_BS, delta_BS, adv_B, mask_BS, algo_name, replay_mode):

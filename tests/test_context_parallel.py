@@ -1,6 +1,6 @@
-"""Context parallelism on real gloo ranks: the zigzag split of padded and packed rows, log-probs
-and one RL update of every algorithm (and R2 / R3) equal to one rank, and the GSPO reduction's
-traffic over the CP group independent of the sequence length."""
+"""Context parallelism on real gloo ranks: the zigzag split of padded and packed rows, log-probs,
+one RL update of every algorithm (and R2 / R3) and one supervised update equal to one rank, and the
+GSPO reduction's traffic over the CP group independent of the sequence length."""
 
 import pytest
 import torch
@@ -91,6 +91,15 @@ def test_one_update_with_cp2_equals_one_rank(runs, arm):
             assert rank["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-7), key
         assert rank["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
         torch.testing.assert_close(rank["after"], one["after"], rtol=1e-5, atol=1e-5)
+
+
+def test_supervised_update_with_cp2_equals_one_rank(runs):
+    one = runs[0]["sft"]
+    assert one["loss"] > 0
+    for rank in runs[1]:
+        assert rank["sft"]["loss"] == pytest.approx(one["loss"], rel=1e-5)
+        assert rank["sft"]["accuracy"] == one["accuracy"]
+        torch.testing.assert_close(rank["sft"]["after"], one["after"], rtol=1e-5, atol=1e-5)
 
 
 def test_gspo_reduction_sends_per_sequence_values_only(runs):

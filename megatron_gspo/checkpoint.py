@@ -188,7 +188,8 @@ class CheckpointManager:
         _writer_results_queue()
         model_sd = model.sharded_state_dict()
         sharded = {"model": model_sd}
-        has_optimizer = optimizer_has_state(optimizer, self.ctx.device)  # a fresh optimizer (step 0) has none
+        # A fresh optimizer (step 0) has no state to save.
+        has_optimizer = optimizer_has_state(optimizer, self.ctx.device)
         if has_optimizer:
             sharded["optimizer"] = optimizer.sharded_state_dict(
                 model_sd, is_loading=False, metadata=_sharding_metadata(self.ctx))

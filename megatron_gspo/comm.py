@@ -12,7 +12,7 @@ run every call is a collective, whatever the group's size.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,3 @@ def broadcast_tensor(t: torch.Tensor, *, src_in_group: int, group) -> torch.Tens
     """Broadcast a tensor that lives on the run's device from group rank ``src_in_group``."""
     dist.broadcast(t, group_src=src_in_group, group=group)
     return t
-
-
-def ensure_on(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
-    return None if t is None else t.to(device)

@@ -18,9 +18,9 @@ import torch
 
 from megatron_gspo.policy import logprob_pass
 from megatron_gspo.rl_batch import engine_route_targets, router_view
-from moe.report import summary_line, write_report
 from moe.instrument import (DriftLog, drift_between, expert_load, local_layers_of,
                             num_moe_layers)
+from moe.report import summary_line, write_report
 
 
 class DriftProbe:

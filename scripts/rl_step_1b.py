@@ -15,7 +15,6 @@ import dataclasses
 import os
 import sys
 import tempfile
-import time
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

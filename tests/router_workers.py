@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 
 def aux_loss_job(hf_dir, tokens_BS, mask_BS, cases):
     """``_aux_losses`` for each case ``(aux_coeff, z_coeff, model_overrides)``, in one process

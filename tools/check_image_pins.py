@@ -84,9 +84,10 @@ def problems(dockerfile: str, requirements: str, setup_text: str, *, megatron_re
     if mcore != megatron_installed:
         out.append(f"docker/requirements.txt: megatron-core=={mcore}, but the tests run "
                    f"megatron-core {megatron_installed}")
-    if mcore and not setup_requirement(setup_text, "megatron-core").contains(mcore):
+    setup_range = setup_requirement(setup_text, "megatron-core")
+    if mcore and not setup_range.contains(mcore):
         out.append(f"docker/requirements.txt: megatron-core=={mcore} is outside setup.py's "
-                   f"megatron-core{setup_requirement(setup_text, 'megatron-core')}")
+                   f"megatron-core{setup_range}")
     sglang = args.get("SGLANG_VERSION")
     if sglang != sglang_client:
         out.append(f"Dockerfile: SGLANG_VERSION={sglang}, but the client targets SGLang "

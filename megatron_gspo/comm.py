@@ -64,3 +64,14 @@ def broadcast_tensor(t: torch.Tensor, *, src_in_group: int, group) -> torch.Tens
     """Broadcast a tensor that lives on the run's device from group rank ``src_in_group``."""
     dist.broadcast(t, group_src=src_in_group, group=group)
     return t
+
+
+def gather_ints(value: int, *, device: torch.device, group=None) -> list:
+    """Every rank's ``value``, in group rank order (an all-gather)."""
+    if not dist.is_initialized():
+        return [int(value)]
+    size = dist.get_world_size(group)
+    mine = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    out = torch.empty(size, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(out, mine, group=group)
+    return [int(x) for x in out.tolist()]

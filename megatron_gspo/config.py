@@ -249,7 +249,12 @@ class RolloutConfig:
     sglang_urls: list = field(default_factory=list)  # servers (engine=sglang)
     sglang_router_url: Optional[str] = None
     weight_sync: str = "disk"  # sglang: disk | distributed | tensor
-    sglang_gpus_per_server: int = 8  # weight_sync=distributed: ranks each server adds to the group
+    # Each server's GPUs (its tensor-parallel size): ranks it adds to the weight_sync=distributed
+    # group, payloads of weight_sync=tensor.
+    sglang_gpus_per_server: int = 8
+    sglang_rows_per_request: int = 64  # rows of one batched /generate request
+    sglang_max_in_flight: int = 32  # requests in flight at once (per replica leader)
+    weight_sync_bucket_mb: float = 512.0  # weights go out in buckets of about this size
     weight_sync_port: int = 29600  # weight_sync=distributed: the trainer's (rank 0) store port
     return_routes: bool = False  # sglang: ask the servers for routed experts (R3, drift)
 
@@ -270,6 +275,12 @@ class RolloutConfig:
         if self.engine == "sglang" and not (self.sglang_urls or self.sglang_router_url):
             raise _err("rollout.sglang_urls", self.sglang_urls, "engine=sglang needs servers",
                        "list server URLs or set rollout.sglang_router_url")
+        for key in ("sglang_gpus_per_server", "sglang_rows_per_request", "sglang_max_in_flight"):
+            if getattr(self, key) < 1:
+                raise _err(f"rollout.{key}", getattr(self, key), "must be >= 1", "set a value >= 1")
+        if not self.weight_sync_bucket_mb > 0:
+            raise _err("rollout.weight_sync_bucket_mb", self.weight_sync_bucket_mb, "must be > 0",
+                       "e.g. 512")
         if self.weight_sync not in ("disk", "distributed", "tensor"):
             raise _err("rollout.weight_sync", self.weight_sync, "is unknown",
                        "use disk, distributed or tensor")

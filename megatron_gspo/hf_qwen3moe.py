@@ -396,34 +396,105 @@ def _contributes(rule: Rule, ctx: ParallelContext) -> bool:
     return rule.split_dim is not None or ctx.tp_rank == 0
 
 
-@torch.no_grad()
-def gather_hf_state(gpt, m: ModelConfig, ctx: ParallelContext) -> Optional[dict]:
-    """All ranks call; rank 0 gets {HF name: tensor} of the whole model, other ranks None."""
-    if m.router_expert_bias:
-        raise HFCheckpointError("model.router_expert_bias=True: the Qwen3-MoE HF format has no "
-                                "expert-bias tensor; export or sync weights without it")
-    local = {}
+def gather_hf_state(gpt, m: ModelConfig, ctx: ParallelContext, *,
+                    bucket_bytes: int = 1 << 30) -> Optional[dict]:
+    """All ranks call; rank 0 gets {HF name: host tensor} of the whole model, other ranks None
+    (built bucket by bucket with ``iter_hf_buckets``)."""
+    out = {}
+    for bucket in iter_hf_buckets(gpt, m, ctx, bucket_bytes):
+        for name, t in bucket:
+            out[name] = t.to("cpu", copy=True)
+    return out if ctx.rank == 0 else None
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One rank's share of a Megatron global tensor, as the bucket plan knows it."""
+
+    gname: str
+    index: int  # shard index along the rule's split group
+    owner: int  # global rank that sends it
+    shape: tuple
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty(0, dtype=self.dtype).element_size()
+
+
+def _bucket_plan(gpt, m: ModelConfig, ctx: ParallelContext, bucket_bytes: int) -> list:
+    """Every rank's pieces (metadata only, exchanged once per call), grouped into buckets of
+    whole global tensors of at most ``bucket_bytes`` (a larger tensor is a bucket of its own),
+    in the same order on every rank."""
+    local = []
     for name, param in _local_params(gpt).items():
         gname = global_name(name, m, ctx)
         rule = rule_for(gname, m)
         if _contributes(rule, ctx):
-            rank, _ = _split(rule, ctx)
-            local[(gname, rank)] = param.detach().to("cpu", copy=True)
-    gathered = [None] * ctx.world_size if ctx.rank == 0 else None
-    dist.gather_object(local, gathered, dst=0)
-    if ctx.rank != 0:
-        return None
-    pieces: dict[str, dict[int, torch.Tensor]] = {}
-    for part in gathered:
-        for (gname, rank), t in part.items():
-            pieces.setdefault(gname, {})[rank] = t
-    out = {}
-    for gname, by_rank in pieces.items():
-        rule = rule_for(gname, m)
-        full = from_pieces(rule, [by_rank[r] for r in sorted(by_rank)])
-        for (hf_name, shape), t in zip(rule.hf, rule.from_global(full)):
-            out[hf_name] = t.reshape(shape).clone()
-    return out
+            local.append(_Piece(gname, _split(rule, ctx)[0], ctx.rank, tuple(param.shape),
+                                param.dtype))
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, local)
+    by_name: dict[str, list] = {}
+    for piece in (p for part in everyone for p in part):
+        by_name.setdefault(piece.gname, []).append(piece)
+    buckets, current, size = [], [], 0
+    for gname in sorted(by_name):
+        pieces = sorted(by_name[gname], key=lambda p: p.index)
+        nbytes = sum(p.nbytes for p in pieces)
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(pieces)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+@torch.no_grad()
+def iter_hf_buckets(gpt, m: ModelConfig, ctx: ParallelContext, bucket_bytes: int, *, dst: int = 0):
+    """Yield the whole model as HF-named tensors, one bucket of about ``bucket_bytes`` at a time,
+    on rank ``dst`` (a list of (HF name, tensor) on the run's device); every rank iterates in
+    lockstep and gets empty lists. Each bucket's shards (tensor-parallel slices, other pipeline
+    stages' layers, other expert-parallel ranks' experts) come to ``dst`` in one batch of
+    point-to-point transfers straight from the parameters' device; nothing else of the model is
+    copied, so the extra memory of ``dst`` stays near two buckets (the received shards and the
+    HF tensors made from them). Tensors may alias the parameters: read, never modify them."""
+    if m.router_expert_bias:
+        raise HFCheckpointError("model.router_expert_bias=True: the Qwen3-MoE HF format has no "
+                                "expert-bias tensor; export or sync weights without it")
+    params = {global_name(n, m, ctx): p for n, p in _local_params(gpt).items()}
+    for bucket in _bucket_plan(gpt, m, ctx, bucket_bytes):
+        ops, received = [], {}
+        for pieces in bucket:
+            for piece in pieces:
+                if ctx.rank == dst and piece.owner != dst:
+                    buf = torch.empty(piece.shape, dtype=piece.dtype, device=ctx.device)
+                    received[(piece.gname, piece.index)] = buf
+                    ops.append(dist.P2POp(dist.irecv, buf, piece.owner))
+                elif ctx.rank == piece.owner and ctx.rank != dst:
+                    ops.append(dist.P2POp(dist.isend, params[piece.gname].detach().contiguous(), dst))
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        out = []
+        if ctx.rank == dst:
+            for pieces in bucket:
+                gname = pieces[0].gname
+                parts = [received.pop((gname, p.index)) if p.owner != dst
+                         else params[gname].detach() for p in pieces]
+                rule = rule_for(gname, m)
+                full = from_pieces(rule, parts)
+                del parts
+                for (hf_name, shape), t in zip(rule.hf, rule.from_global(full)):
+                    out.append((hf_name, t.reshape(shape).contiguous()))
+                del full
+        yield out
+        del out
 
 
 def export_hf(gpt, m: ModelConfig, ctx: ParallelContext, out_dir: str,

@@ -21,7 +21,7 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_gspo import cpu_backend
+from megatron_gspo import comm, cpu_backend
 from megatron_gspo.config import ModelConfig, ParallelConfig
 
 
@@ -47,6 +47,14 @@ class ParallelContext:
     dp_rank: int
     edp_rank: int  # rank among the replicas of this rank's experts
     pg: Any  # megatron.core.process_groups_config.ProcessGroupCollection
+    # The ranks of this rank's model replica (one data-parallel index: every TP, CP and PP rank of
+    # it), lowest first; its first rank leads the replica's rollouts (SGLang, rewards).
+    replica_ranks: tuple = (0,)
+    replica_group: Any = None
+
+    @property
+    def is_replica_leader(self) -> bool:
+        return self.rank == self.replica_ranks[0]
 
     @property
     def is_first_stage(self) -> bool:
@@ -168,10 +176,24 @@ def init_parallel(cfg: ParallelConfig, model: ModelConfig, *, seed: Optional[int
         dp_rank=ps.get_data_parallel_rank(),
         edp_rank=ps.get_expert_data_parallel_rank(),
         pg=ProcessGroupCollection.use_mpu_process_groups(),
+        **_replica_groups(ps.get_data_parallel_rank(), dp, device),
     )
     if seed is not None:
         seed_all(ctx, seed)
     return ctx
+
+
+def _replica_groups(dp_rank: int, dp: int, device: torch.device) -> dict:
+    """One process group per model replica (the ranks that share a data-parallel index); every
+    rank creates all of them, in the same order, as ``new_group`` requires."""
+    owners = comm.gather_ints(dp_rank, device=device)
+    mine = None
+    for index in range(dp):
+        ranks = tuple(r for r, d in enumerate(owners) if d == index)
+        group = dist.new_group(list(ranks))
+        if index == dp_rank:
+            mine = {"replica_ranks": ranks, "replica_group": group}
+    return mine
 
 
 def seed_all(ctx: ParallelContext, seed: int) -> None:
@@ -189,8 +211,9 @@ def seed_all(ctx: ParallelContext, seed: int) -> None:
                                      etp_rank=ctx.etp_rank)
 
 
-def destroy_parallel() -> None:
-    """Tear down Megatron's groups and torch.distributed (for tests and clean exits)."""
+def destroy_parallel(*, keep_process_group: bool = False) -> None:
+    """Tear down Megatron's groups and torch.distributed (for tests and clean exits); with
+    ``keep_process_group`` the world stays, ready for another layout."""
     ps.destroy_model_parallel()
-    if dist.is_initialized():
+    if dist.is_initialized() and not keep_process_group:
         dist.destroy_process_group()

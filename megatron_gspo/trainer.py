@@ -48,6 +48,7 @@ from megatron_gspo.rl_batch import (RolloutBatch, build_batch, engine_route_targ
                                     width_multiple)
 from megatron_gspo.rollout.local_engine import LocalEngine
 from megatron_gspo.rollout.sglang_engine import SGLangEngine, init_weights_update_group
+from megatron_gspo.rollout.share import share_samples, share_values
 from megatron_gspo.rollout.types import SamplingParams
 from megatron_gspo.weights import load_weights, save_weights
 from moe.instrument import local_layers_of
@@ -102,9 +103,10 @@ def train(job: JobConfig) -> dict:
     step's metrics."""
     run = setup(job)
     try:
-        if not resume(run):
+        if resume(run):
+            sync_weights(run)  # the engine starts from the trainer's weights
+        else:
             warm_up(run)  # held-out accuracy before, SFT, accuracy after SFT, checkpoint 0
-        sync_weights(run)  # the engine starts from the trainer's weights
         for step in range(run.step + 1, job.trainer.steps + 1):
             metrics = rl_step(run, step)
             if job.trainer.eval_interval and step % job.trainer.eval_interval == 0:
@@ -154,7 +156,9 @@ def rl_step(run: Run, step: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def rollout(run: Run, step: int):
-    """This data-parallel rank's prompts of the step and their responses."""
+    """This data-parallel rank's prompts of the step and their responses. The local engine runs
+    on every rank of the replica (its model is sharded over them); an SGLang request goes out
+    from the replica's leader only, and the responses reach the other ranks by broadcast."""
     r, ctx = run.job.rollout, run.ctx
     prompts = run.train_data.next_batch(r.prompts_per_step)  # the same global batch on every rank
     per_rank = r.prompts_per_step // ctx.dp
@@ -164,21 +168,33 @@ def rollout(run: Run, step: int):
                             top_p=r.top_p, top_k=r.top_k,
                             stop_token_ids=(run.tokenizer.eos_id,),
                             seed=run.job.seed * 100_003 + step)
-    first_row = ctx.dp_rank * per_rank * r.group_size
-    if r.engine == "local":
-        samples = run.engine.generate(ids, r.group_size, params, first_row=first_row)
-    else:
-        samples = run.engine.generate(ids, r.group_size, params)
+    samples = generate(run, ids, r.group_size, params,
+                       first_row=ctx.dp_rank * per_rank * r.group_size)
     return [mine[s.prompt_index] for s in samples], samples
 
 
+def generate(run: Run, ids, samples_per_prompt: int, params: SamplingParams, *,
+             first_row: int = 0) -> list:
+    ctx = run.ctx
+    if run.job.rollout.engine == "local":
+        return run.engine.generate(ids, samples_per_prompt, params, first_row=first_row)
+    samples = (run.engine.generate(ids, samples_per_prompt, params, first_row=first_row)
+               if ctx.is_replica_leader else None)
+    return share_samples(samples, group=ctx.replica_group, device=ctx.device)
+
+
 def score(run: Run, records, samples) -> torch.Tensor:
-    out = []
-    for rec, s in zip(records, samples):
-        text = run.tokenizer.decode(s.response_ids)
-        out.append(run.reward_fn(RewardInput(response=text, answer=rec.answer, tests=rec.tests,
-                                             meta=rec.metadata or {})).score)
-    return torch.tensor(out, dtype=torch.float32)
+    """Rewards, scored once per replica (by its leader) and broadcast to its other ranks."""
+    ctx = run.ctx
+    out = None
+    if ctx.is_replica_leader:
+        out = []
+        for rec, s in zip(records, samples):
+            text = run.tokenizer.decode(s.response_ids)
+            out.append(run.reward_fn(RewardInput(response=text, answer=rec.answer,
+                                                 tests=rec.tests, meta=rec.metadata or {})).score)
+        out = torch.tensor(out, dtype=torch.float32)
+    return share_values(out, len(samples), group=ctx.replica_group, device=ctx.device)
 
 
 def make_batch(run: Run, samples, rewards) -> RolloutBatch:
@@ -266,9 +282,12 @@ def sync_weights(run: Run) -> None:
         run.sync_group = init_weights_update_group(
             run.engine, master_address=socket.getfqdn(), master_port=r.weight_sync_port,
             engine_gpus=[r.sglang_gpus_per_server] * len(run.engine.clients))
-    run.engine.sync_from_model(run.gpt, run.job.model, run.ctx, mode=r.weight_sync,
-                               disk_dir=os.path.join(run.job.run_dir, "weight_sync"),
-                               group=run.sync_group)
+    stats = run.engine.sync_from_model(
+        run.gpt, run.job.model, run.ctx, mode=r.weight_sync,
+        disk_dir=os.path.join(run.job.run_dir, "weight_sync"), group=run.sync_group,
+        bucket_bytes=int(r.weight_sync_bucket_mb * 2**20))
+    if stats is not None:
+        run.logger.say(stats.describe())
 
 
 def evaluate(run: Run) -> float:
@@ -287,11 +306,13 @@ def evaluate(run: Run) -> float:
     for i in range(0, len(mine), chunk):
         part = mine[i:i + chunk]
         ids = [run.tokenizer.render_prompt(p.prompt, p.messages) for p in part]
-        samples = run.engine.generate(ids, 1, params)
-        correct = score(run, part, samples)[:max(0, real - i)]
+        correct = score(run, part, generate(run, ids, 1, params))[:max(0, real - i)]
         right += float(correct.sum())
         count += len(correct)
-    right, count = comm.reduce_values([right, count], device=ctx.device, group=ctx.dp_group)
+    # Every rank of a replica holds the same scores: count them once, on the leader.
+    lead = ctx.is_replica_leader
+    right, count = comm.reduce_values([right if lead else 0.0, count if lead else 0.0],
+                                      device=ctx.device)
     return right / count
 
 
@@ -434,7 +455,9 @@ def make_engine(job: JobConfig, gpt, ctx, replay, tokenizer):
     moe_layers = [i for i, x in enumerate(m.moe_layer_pattern) if x]
     return SGLangEngine(r.sglang_urls or [r.sglang_router_url], num_hidden_layers=m.num_layers,
                         top_k=m.top_k, moe_layers=moe_layers, return_routes=r.return_routes,
-                        router_url=r.sglang_router_url)
+                        router_url=r.sglang_router_url, rows_per_request=r.sglang_rows_per_request,
+                        max_in_flight=r.sglang_max_in_flight,
+                        server_tp=r.sglang_gpus_per_server)
 
 
 def build_rl_optimizer(run: Run) -> None:
@@ -452,11 +475,13 @@ def warm_up(run: Run) -> None:
     t = run.job.trainer
     run.logger.truncate_after(-1)  # a fresh run: no rows of an earlier attempt in this directory
     init_weights(run, t.init_from)
+    sync_weights(run)  # every evaluation and rollout sees the trainer's weights
     run.history["accuracy_initial"] = evaluate(run)
     run.logger.say(f"held-out accuracy before training: {run.history['accuracy_initial']:.3f} "
                    f"({len(run.eval_records)} prompts)")
     if t.sft_steps:
         sft(run)
+        sync_weights(run)
     run.history["accuracy_before_rl"] = evaluate(run)
     run.logger.say(f"held-out accuracy before RL: {run.history['accuracy_before_rl']:.3f}")
     run.logger.log(0, {"eval/accuracy": run.history["accuracy_before_rl"]})

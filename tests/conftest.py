@@ -41,3 +41,21 @@ def make_hf_checkpoint(path, **overrides):
 @pytest.fixture(scope="session")
 def tiny_hf_checkpoint(tmp_path_factory):
     return make_hf_checkpoint(str(tmp_path_factory.mktemp("hf_tiny")))
+
+
+@pytest.fixture(scope="session")
+def perturbed_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
+    """The tiny checkpoint with every tensor moved by 0.2 N(0, 1): (directory, tensors)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("hf_perturbed")
+    for f in os.listdir(tiny_hf_checkpoint):
+        shutil.copy(os.path.join(tiny_hf_checkpoint, f), path)
+    tensors = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    tensors = {k: v + 0.2 * torch.randn(v.shape, generator=g) for k, v in tensors.items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path), tensors

@@ -1,14 +1,24 @@
 """A stand-in SGLang server for tests: the same HTTP endpoints and payload shapes as sglang 0.5.x
-(/generate with log-probs and routed experts, weight updates from disk and over a process group,
-pause / continue / flush, memory release / resume, health), generating with the local engine on a
-tiny model, plus fault injection (POST /_fault {"mode": "500"|"hang"|"drop"|"malformed",
-"count": n}). Runs in its own process: ``start(hf_dir)`` returns (url, process)."""
+(batched /generate with per-row sampling params, log-probs and routed experts; weight updates from
+disk, over a process group and from serialized tensors, in buckets; pause / continue / flush,
+memory release / resume, health), generating with the local engine on a tiny model.
+
+Behaves like SGLang where it matters: sampling is random (its own RNG, seeded from the OS) unless
+the server was started ``deterministic`` and a row carries a ``sampling_seed`` (then the noise is
+keyed by seed and position, as SGLang's deterministic inference does); it has ``tp`` tensor-
+parallel ranks, TP rank i reading entry i of ``serialized_named_tensors``; requests take
+``latency_s`` before any work. Test hooks: POST /_fault {"mode": "500"|"hang"|"drop"|"malformed",
+"count": n} fails the next n requests; GET /_stats reports requests in flight (now and at most),
+/generate requests and rows served, and the tensor payloads read. Runs in its own process:
+``start(hf_dir, ...)`` returns (url, process)."""
 
 from __future__ import annotations
 
 import base64
+import io
 import json
 import multiprocessing as mp
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,14 +27,14 @@ SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_
                  "sampling_seed", "n", "stop", "min_p", "ignore_eos"}
 
 
-def _serve(hf_dir, ready):
+def _serve(hf_dir, ready, tp, deterministic, latency_s):
     import warnings
 
     import torch
 
     warnings.filterwarnings("ignore")
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.hf_qwen3moe import TensorSource, load_hf_weights
+    from megatron_gspo.hf_qwen3moe import TensorSource, gather_hf_state, load_hf_weights
     from megatron_gspo.model import build_model
     from megatron_gspo.parallel import init_parallel
     from megatron_gspo.rollout.local_engine import LocalEngine
@@ -34,48 +44,97 @@ def _serve(hf_dir, ready):
 
     cfg = tiny_model_config(hf_dir)
     ctx = init_parallel(ParallelConfig(), cfg, seed=0)
+    torch.manual_seed(int.from_bytes(os.urandom(8), "little") % (2**63))  # random sampling
     gpt = build_model(cfg, ctx, moe_enable_routing_replay=True)
     load_hf_weights(gpt, hf_dir, cfg, ctx)
+    weights = gather_hf_state(gpt, cfg, ctx)  # the server's HF-named weights, updated per bucket
     engine = LocalEngine(gpt, ctx, replay=RoutingReplay(gpt))
     lock = threading.Lock()
     state = {"fault": None, "count": 0, "paused": False, "version": "default", "group": None,
-             "released": set(), "calls": []}
+             "released": set(), "calls": [], "in_flight": 0, "max_in_flight": 0,
+             "generate_requests": 0, "rows": 0, "tensor_payloads": []}
     moe_layers = [i for i, x in enumerate(cfg.moe_layer_pattern) if x]
 
-    def generate(body):
-        unknown = set(body.get("sampling_params", {})) - SAMPLING_KEYS
-        if unknown:
-            return 500, {"error": {"message": f"unexpected keyword {sorted(unknown)[0]}"}}
-        sp = body.get("sampling_params", {})
-        params = SamplingParams(max_new_tokens=sp.get("max_new_tokens", 128),
-                                temperature=sp.get("temperature", 1.0), top_p=sp.get("top_p", 1.0),
-                                top_k=sp.get("top_k", -1),
-                                stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
-                                seed=sp.get("sampling_seed"))
-        with lock:
-            samples = engine.generate(body["input_ids"], 1, params)
-        out = []
-        for s in samples:
-            meta = {"id": f"req-{len(out)}", "prompt_tokens": len(s.prompt_ids),
-                    "completion_tokens": len(s.response_ids), "weight_version": state["version"],
-                    "finish_reason": ({"type": "stop", "matched": s.response_ids[-1]}
-                                      if s.finish_reason == "stop"
-                                      else {"type": "length", "length": len(s.response_ids)})}
-            if body.get("return_logprob"):
-                meta["output_token_logprobs"] = [[float(lp), int(t), None] for lp, t in
-                                                 zip(s.logprobs_R, s.response_ids)]
-            if body.get("return_routed_experts"):
-                rows = torch.zeros(s.routes_TLK.shape[0], cfg.num_layers, cfg.top_k,
-                                   dtype=torch.int32)  # dense layers stay zero, as in sglang
-                rows[:, moe_layers] = s.routes_TLK.int()
-                meta["routed_experts"] = base64.b64encode(rows.numpy().tobytes()).decode()
-            out.append({"output_ids": s.response_ids, "meta_info": meta})
-        return 200, out
+    def params_of(sp):
+        return SamplingParams(max_new_tokens=sp.get("max_new_tokens", 128),
+                              temperature=sp.get("temperature", 1.0), top_p=sp.get("top_p", 1.0),
+                              top_k=sp.get("top_k", -1),
+                              stop_token_ids=tuple(sp.get("stop_token_ids") or ()))
 
-    def update_from_tensors(tensors, version):
+    def result(s):
+        meta = {"id": f"req-{state['rows']}", "prompt_tokens": len(s.prompt_ids),
+                "completion_tokens": len(s.response_ids), "weight_version": state["version"],
+                "finish_reason": ({"type": "stop", "matched": s.response_ids[-1]}
+                                  if s.finish_reason == "stop"
+                                  else {"type": "length", "length": len(s.response_ids)})}
+        meta["output_token_logprobs"] = [[float(lp), int(t), None] for lp, t in
+                                         zip(s.logprobs_R, s.response_ids)]
+        rows = torch.zeros(s.routes_TLK.shape[0], cfg.num_layers, cfg.top_k,
+                           dtype=torch.int32)  # dense layers stay zero, as in sglang
+        rows[:, moe_layers] = s.routes_TLK.int()
+        meta["routed_experts"] = base64.b64encode(rows.numpy().tobytes()).decode()
+        return {"output_ids": s.response_ids, "meta_info": meta}
+
+    def generate(body):
+        ids = body["input_ids"]
+        single = bool(ids) and isinstance(ids[0], int)
+        ids = [ids] if single else ids
+        sps = body.get("sampling_params", {})
+        sps = sps if isinstance(sps, list) else [sps] * len(ids)
+        if len(sps) != len(ids):
+            return 400, {"error": {"message": f"{len(sps)} sampling_params for {len(ids)} "
+                                              "inputs"}}
+        for sp in sps:
+            unknown = set(sp) - SAMPLING_KEYS
+            if unknown:
+                return 500, {"error": {"message": f"unexpected keyword {sorted(unknown)[0]}"}}
+        outs = [None] * len(ids)
+        groups = {}  # rows with the same sampling params (but their seeds) decode together
+        for r, sp in enumerate(sps):
+            key = json.dumps({k: v for k, v in sp.items() if k != "sampling_seed"},
+                             sort_keys=True)
+            groups.setdefault(key, []).append(r)
+        for rows in groups.values():
+            params = params_of(sps[rows[0]])
+            seeds = [sps[r].get("sampling_seed") for r in rows]
+            row_seeds = seeds if deterministic and None not in seeds else None
+            with lock:
+                samples = engine.generate([ids[r] for r in rows], 1, params, row_seeds=row_seeds)
+                state["rows"] += len(rows)
+            for r, s in zip(rows, samples):
+                item = result(s)
+                if not body.get("return_logprob"):
+                    del item["meta_info"]["output_token_logprobs"]
+                if not body.get("return_routed_experts"):
+                    del item["meta_info"]["routed_experts"]
+                outs[r] = item
+        return 200, outs[0] if single else outs
+
+    def load_bucket(tensors, version):
         with lock:
-            load_hf_weights(gpt, TensorSource(tensors, path="broadcast"), cfg, ctx)
-        state["version"] = version
+            unknown = set(tensors) - set(weights)
+            if unknown:  # sglang skips unknown names (a warning at most)
+                tensors = {k: v for k, v in tensors.items() if k in weights}
+            weights.update(tensors)
+            load_hf_weights(gpt, TensorSource(weights, path="update"), cfg, ctx)
+        if version is not None:
+            state["version"] = version
+
+    def tensor_update(body):
+        entries = body["serialized_named_tensors"]
+        per_rank = []
+        for tp_rank in range(tp):  # each TP rank reads its own entry, as sglang's tp_worker does
+            if tp_rank >= len(entries):
+                return 500, {"error": {"message": f"tp rank {tp_rank}: list index out of range "
+                                                  f"(serialized_named_tensors has {len(entries)})"}}
+            named = torch.load(io.BytesIO(base64.b64decode(entries[tp_rank])), weights_only=True)
+            per_rank.append(dict(named))
+        state["tensor_payloads"].append(len(entries))
+        for other in per_rank[1:]:  # every rank loads the full tensors and keeps its shard
+            if {k: v.shape for k, v in other.items()} != {k: v.shape for k, v in per_rank[0].items()}:
+                return 500, {"error": {"message": "TP ranks received different tensors"}}
+        load_bucket(per_rank[0], body.get("weight_version"))
+        return 200, {"success": True, "message": "updated"}
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -90,23 +149,30 @@ def _serve(hf_dir, ready):
             self.wfile.write(data)
 
         def _fault(self):
-            if state["fault"] and state["count"] > 0 and self.path != "/_fault":
-                state["count"] -= 1
-                mode = state["fault"]
-                if mode == "500":
-                    self._reply(500, {"error": {"message": "injected failure"}})
-                elif mode == "hang":
-                    time.sleep(3)
-                    self._reply(200, {"late": True})
-                elif mode == "drop":
-                    self.close_connection = True
-                    self.connection.shutdown(2)
-                elif mode == "malformed":
-                    self._reply(200, "{not json", raw=True)
-                return True
-            return False
+            if self.path.startswith("/_"):
+                return False
+            with lock:
+                mode = state["fault"] if state["count"] > 0 else None
+                if mode:
+                    state["count"] -= 1
+            if mode == "500":
+                self._reply(500, {"error": {"message": "injected failure"}})
+            elif mode == "hang":
+                time.sleep(3)
+                self._reply(200, {"late": True})
+            elif mode == "drop":
+                self.close_connection = True
+                self.connection.shutdown(2)
+            elif mode == "malformed":
+                self._reply(200, "{not json", raw=True)
+            return mode is not None
 
         def do_GET(self):
+            if self.path == "/_stats":
+                keys = ("in_flight", "max_in_flight", "generate_requests", "rows",
+                        "tensor_payloads", "version")
+                return self._reply(200, {**{k: state[k] for k in keys},
+                                         "generate_posts": state["calls"].count("/generate")})
             if self._fault():
                 return
             if self.path in ("/health", "/health_generate"):
@@ -125,14 +191,29 @@ def _serve(hf_dir, ready):
                 return self._reply(400, {"object": "error", "message": str(e), "code": 400})
             state["calls"].append(self.path)
             if self.path == "/_fault":
-                state["fault"], state["count"] = body["mode"], body.get("count", 1)
+                with lock:
+                    state["fault"], state["count"] = body["mode"], body.get("count", 1)
+                return self._reply(200, {"success": True})
+            if self.path == "/_reset_stats":
+                for k in ("max_in_flight", "generate_requests", "rows"):
+                    state[k] = 0
+                state["tensor_payloads"], state["calls"] = [], []
                 return self._reply(200, {"success": True})
             if self._fault():
                 return
             if self.path == "/generate":
                 if "input_ids" not in body:
                     return self._reply(400, {"error": {"message": "input_ids required"}})
-                return self._reply(*generate(body))
+                with lock:
+                    state["in_flight"] += 1
+                    state["generate_requests"] += 1
+                    state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
+                try:
+                    time.sleep(latency_s)
+                    return self._reply(*generate(body))
+                finally:
+                    with lock:
+                        state["in_flight"] -= 1
             if self.path == "/pause_generation":
                 state["paused"] = True
                 return self._reply(200, {"success": True})
@@ -143,7 +224,10 @@ def _serve(hf_dir, ready):
                 try:
                     with lock:
                         load_hf_weights(gpt, body["model_path"], cfg, ctx)
+                        weights.update(gather_hf_state(gpt, cfg, ctx))
                 except Exception as e:  # sglang reports failure and keeps the old weights
+                    with lock:
+                        load_hf_weights(gpt, TensorSource(weights, path="kept"), cfg, ctx)
                     return self._reply(400, {"success": False, "message": str(e)})
                 state["version"] = body.get("weight_version", state["version"])
                 return self._reply(200, {"success": True, "message": "ok",
@@ -170,8 +254,10 @@ def _serve(hf_dir, ready):
                     t = torch.empty(shape, dtype=getattr(torch, dtype))
                     dist.broadcast(t, group_src=0, group=state["group"])
                     tensors[name] = t
-                update_from_tensors(tensors, body.get("weight_version", state["version"]))
+                load_bucket(tensors, body.get("weight_version"))
                 return self._reply(200, {"success": True, "message": "updated"})
+            if self.path == "/update_weights_from_tensor":
+                return self._reply(*tensor_update(body))
             if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
                 tags = set(body.get("tags") or ["weights", "kv_cache", "cuda_graph"])
                 if self.path.startswith("/release"):
@@ -186,10 +272,12 @@ def _serve(hf_dir, ready):
     server.serve_forever()
 
 
-def start(hf_dir: str, timeout_s: float = 120.0):
+def start(hf_dir: str, *, tp: int = 1, deterministic: bool = False, latency_s: float = 0.0,
+          timeout_s: float = 120.0):
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
-    proc = ctx.Process(target=_serve, args=(hf_dir, ready), daemon=True)
+    proc = ctx.Process(target=_serve, args=(hf_dir, ready, tp, deterministic, latency_s),
+                       daemon=True)
     proc.start()
     port = ready.get(timeout=timeout_s)
     return f"http://127.0.0.1:{port}", proc
@@ -253,27 +341,70 @@ def start_router(timeout_s: float = 30.0):
     return f"http://127.0.0.1:{ready.get(timeout=timeout_s)}", proc
 
 
-def trainer_sync_job(url, hf_dir, parallel_kwargs, disk_dir, prompts):
-    """A trainer rank: import (perturbed) HF weights into a Megatron layout, push them to the
-    server through the HF mapping, return the server's greedy outputs afterwards."""
+def peak_allocated(fn):
+    """(fn(), peak bytes allocated above the start while it ran), from the allocation and free
+    events of torch's CPU allocator (torch.profiler with profile_memory)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        value = fn()
+    changes = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]"
+                      else e.self_cpu_memory_usage) for e in prof.events())
+    live = peak = 0
+    for _, delta in changes:
+        live += delta
+        peak = max(peak, live)
+    return value, peak
+
+
+def trainer_sync_job(url, hf_dir, cases, prompts):
+    """Trainer ranks: for each case (parallel layout, sync mode, server TP size, bucket bytes),
+    import (perturbed) HF weights into the layout, push them to the server through the HF
+    mapping, and return the server's greedy outputs afterwards, what was sent and the peak
+    memory allocated during the sync on each rank."""
+    import socket
     import warnings
+
+    import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
     from megatron_gspo.config import ParallelConfig
     from megatron_gspo.hf_qwen3moe import load_hf_weights
     from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.rollout.sglang_engine import SGLangEngine
+    from megatron_gspo.parallel import destroy_parallel, init_parallel
+    from megatron_gspo.rollout.sglang_engine import SGLangEngine, init_weights_update_group
     from megatron_gspo.rollout.types import SamplingParams
     from tests.model_workers import tiny_model_config
 
     cfg = tiny_model_config(hf_dir)
-    ctx = init_parallel(ParallelConfig(**parallel_kwargs), cfg, seed=0)
-    gpt = build_model(cfg, ctx)
-    load_hf_weights(gpt, hf_dir, cfg, ctx)
-    engine = SGLangEngine([url], num_hidden_layers=4, top_k=2, moe_layers=[1, 2, 3])
-    engine.sync_from_model(gpt, cfg, ctx, mode="disk", disk_dir=disk_dir)
-    if ctx.rank != 0:
-        return None
-    return [s.response_ids for s in engine.generate(prompts, 1,
-                                                    SamplingParams(max_new_tokens=5, temperature=0))]
+    out = []
+    for case in cases:
+        ctx = init_parallel(ParallelConfig(**case["parallel"]), cfg, seed=0)
+        gpt = build_model(cfg, ctx)
+        load_hf_weights(gpt, hf_dir, cfg, ctx)
+        engine = SGLangEngine([url], num_hidden_layers=4, top_k=2, moe_layers=[1, 2, 3],
+                              server_tp=case.get("server_tp", 1))
+        group = None
+        if case["mode"] == "distributed" and ctx.rank == 0:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            group = init_weights_update_group(engine, master_address="127.0.0.1",
+                                              master_port=port, engine_gpus=[1], backend="gloo",
+                                              timeout_s=60)
+        error = None
+        try:
+            stats, peak = peak_allocated(lambda: engine.sync_from_model(
+                gpt, cfg, ctx, mode=case["mode"], disk_dir=case.get("disk_dir"), group=group,
+                bucket_bytes=case.get("bucket_bytes", 512 << 20)))
+        except Exception as e:  # reported to the test, which expects it for some cases
+            error, stats, peak = str(e), None, None
+            dist.barrier()
+        outputs = None
+        if ctx.rank == 0 and error is None:
+            outputs = [s.response_ids for s in engine.generate(
+                prompts, 1, SamplingParams(max_new_tokens=5, temperature=0))]
+        out.append({"outputs": outputs, "stats": stats, "peak": peak, "error": error,
+                    "model_bytes": sum(p.numel() * p.element_size() for p in gpt.parameters())})
+        destroy_parallel(keep_process_group=True)
+    return out

@@ -7,8 +7,6 @@ import os
 import socket
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from megatron_gspo.rollout.sglang_engine import (HAVE_SGLANG, RetryPolicy, SGLangClient,
                                                  SGLangEngine, SGLangError, decode_routes,
@@ -26,20 +24,6 @@ def server(tiny_hf_checkpoint):
     yield url
     proc.kill()
     proc.join()
-
-
-@pytest.fixture(scope="module")
-def perturbed_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
-    import shutil
-
-    path = tmp_path_factory.mktemp("hf_perturbed")
-    for f in os.listdir(tiny_hf_checkpoint):
-        shutil.copy(os.path.join(tiny_hf_checkpoint, f), path)
-    tensors = load_file(str(path / "model.safetensors"))
-    g = torch.Generator().manual_seed(1)
-    tensors = {k: v + 0.2 * torch.randn(v.shape, generator=g) for k, v in tensors.items()}
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return str(path), tensors
 
 
 def engine(url, **kw):
@@ -180,7 +164,11 @@ def test_sync_from_a_megatron_layout(server, tiny_hf_checkpoint, perturbed_check
     e.update_weights_from_disk(perturbed_checkpoint[0])
     expected = [s.response_ids for s in e.generate(PROMPTS, 1, GREEDY)]
     e.update_weights_from_disk(tiny_hf_checkpoint)
-    outputs = run_ranks(trainer_sync_job, 2, server, perturbed_checkpoint[0], dict(ep=2),
-                        str(tmp_path / "sync"), PROMPTS)
-    assert outputs[0] == expected  # EP=2 trainer -> HF names -> server
+    cases = [dict(parallel=dict(ep=2), mode="disk", disk_dir=str(tmp_path / "sync"),
+                  bucket_bytes=100_000)]
+    [result], _ = run_ranks(trainer_sync_job, 2, server, perturbed_checkpoint[0], cases, PROMPTS)
+    assert result["error"] is None
+    assert result["outputs"] == expected  # EP=2 trainer -> HF names -> shards on disk -> server
+    assert result["stats"].buckets > 1 and len(os.listdir(tmp_path / "sync")) == \
+        result["stats"].buckets + 2  # one shard per bucket, the index, config.json
     e.update_weights_from_disk(tiny_hf_checkpoint)

@@ -12,7 +12,7 @@ Legend: ``B`` rows (prompts x samples), ``P`` padded prompt length, ``S`` P + ma
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from megatron.core.transformer.utils import set_model_to_sequence_parallel
 from megatron_gspo import comm
 from megatron_gspo.layers import context_parallel_disabled
 from megatron_gspo.parallel import ParallelContext
-from megatron_gspo.rollout.types import Sample, SamplingParams
+from megatron_gspo.rollout.types import Sample, SamplingParams, row_seed
 
 
 def row_noise(row_seeds: list, step: int, vocab: int) -> torch.Tensor:
@@ -112,10 +112,12 @@ class LocalEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int,
-                 params: SamplingParams, *, first_row: int = 0) -> list[Sample]:
+                 params: SamplingParams, *, first_row: int = 0,
+                 row_seeds: Optional[Sequence[int]] = None) -> list[Sample]:
         """``samples_per_prompt`` responses per prompt. With ``params.seed``, response r of the
-        request (counting from ``first_row``) samples from noise keyed by (seed, row): the same
-        tokens whichever data-parallel rank or batch generates it."""
+        request (counting from ``first_row``) samples from noise keyed by
+        (``row_seed(seed, first_row + r)``, position): the same tokens whichever data-parallel
+        rank or batch generates it. ``row_seeds`` gives each row's seed explicitly instead."""
         params.validate()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -128,9 +130,12 @@ class LocalEngine:
         for r, (_, p) in enumerate(rows):
             tokens_BP[r, p_len - len(p):] = torch.tensor(p)
             valid_BS[r, p_len - len(p):] = True
-        row_seeds = None
-        if params.seed is not None:
-            row_seeds = [params.seed * 7_919 + first_row + r for r in range(b)]
+        if row_seeds is not None:
+            if len(row_seeds) != b:
+                raise ValueError(f"{len(row_seeds)} row seeds for {b} rows")
+            row_seeds = list(row_seeds)
+        elif params.seed is not None:
+            row_seeds = [row_seed(params.seed, first_row + r) for r in range(b)]
 
         icx = StaticInferenceContext(max_batch_size=b, max_sequence_length=s_len)
         was_training = self.gpt.training

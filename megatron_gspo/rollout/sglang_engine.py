@@ -15,20 +15,24 @@ Legend: ``T`` positions fed to the model, ``L`` MoE layers, ``K`` top-k.
 from __future__ import annotations
 
 import base64
+import contextlib
+import io
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from megatron_gspo.rollout.types import Sample, SamplingParams
+from megatron_gspo.rollout.types import Sample, SamplingParams, row_seed
 
 try:  # pragma: no cover - sglang is a GPU-only dependency
     import sglang  # noqa: F401
@@ -117,11 +121,18 @@ class SGLangClient:
         raise SGLangError(f"{self.url}: not healthy after {timeout_s:g} s")
 
     def generate(self, input_ids: Sequence[Sequence[int]], params: SamplingParams, *,
+                 seeds: Optional[Sequence[int]] = None,
                  return_routed_experts: bool = False) -> list:
+        """One batched ``/generate`` request: one result per row of ``input_ids``; ``seeds`` (one
+        per row) become each row's ``sampling_seed``."""
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
                     "top_p": params.top_p, "top_k": params.top_k,
                     "stop_token_ids": list(params.stop_token_ids)}
-        if params.seed is not None:
+        if seeds is not None:
+            if len(seeds) != len(input_ids):
+                raise ValueError(f"{len(seeds)} seeds for {len(input_ids)} rows")
+            sampling = [dict(sampling, sampling_seed=int(seed)) for seed in seeds]
+        elif params.seed is not None:
             sampling["sampling_seed"] = params.seed
         payload = {"input_ids": [list(x) for x in input_ids], "sampling_params": sampling,
                    "return_logprob": True, "logprob_start_len": -1}
@@ -129,8 +140,9 @@ class SGLangClient:
             payload["return_routed_experts"] = True
         reply = self.request("POST", "/generate", payload)
         if not isinstance(reply, list) or len(reply) != len(input_ids):
+            got = f"{len(reply)} results" if isinstance(reply, list) else type(reply).__name__
             raise SGLangError(f"POST {self.url}/generate: expected a list of {len(input_ids)} "
-                              f"results, got {type(reply).__name__}")
+                              f"results, got {got}")
         return reply
 
     def post(self, path: str, payload: Optional[dict] = None) -> dict:
@@ -147,7 +159,7 @@ def decode_routes(blob: str, rows: int, num_layers: int, top_k: int,
     if flat.size != rows * num_layers * top_k:
         raise SGLangError(f"routed_experts holds {flat.size} ids, expected {rows} x {num_layers} x "
                           f"{top_k}")
-    return torch.from_numpy(flat.reshape(rows, num_layers, top_k)[:, list(moe_layers)].copy())
+    return torch.from_numpy(flat.reshape(rows, num_layers, top_k)[:, list(moe_layers)].copy()).long()
 
 
 def parse_result(item: dict, prompt: Sequence[int], *, routes_shape=None) -> Sample:
@@ -178,19 +190,44 @@ def parse_result(item: dict, prompt: Sequence[int], *, routes_shape=None) -> Sam
                   logprobs_R=torch.tensor(logprobs), finish_reason=reason, routes_TLK=routes)
 
 
+@dataclass(frozen=True)
+class SyncStats:
+    """One weight sync: what was sent and how long it took."""
+
+    mode: str
+    tensors: int
+    bytes: int
+    buckets: int
+    seconds: float
+
+    def describe(self) -> str:
+        return (f"weight sync ({self.mode}): {self.tensors} tensors, {self.bytes / 2**20:.1f} MiB "
+                f"in {self.buckets} buckets, {self.seconds:.2f} s")
+
+
 class SGLangEngine:
-    """``Engine`` over SGLang servers at ``urls``: generation requests go to ``router_url`` when
-    given (sglang-router balances them), else round-robin per prompt group; control calls
-    (pause, weight updates, memory) always go to every server, which the router does not relay."""
+    """``Engine`` over SGLang servers at ``urls``. A batch of responses goes out as requests of
+    at most ``rows_per_request`` rows (SGLang's batched ``/generate``: lists of input ids and of
+    sampling params), at most ``max_in_flight`` at a time, to ``router_url`` when given
+    (sglang-router balances them), else round-robin over the servers; each request has its own
+    retries, so a failed one is resent alone. Control calls (pause, weight updates, memory) go to
+    every server, which the router does not relay. ``server_tp``: each server's tensor-parallel
+    size (``update_weights_from_tensor`` sends one payload per TP rank)."""
 
     def __init__(self, urls: Sequence[str], *, num_hidden_layers: int, top_k: int,
                  moe_layers: Sequence[int], return_routes: bool = False,
-                 retry: Optional[RetryPolicy] = None, router_url: Optional[str] = None):
+                 retry: Optional[RetryPolicy] = None, router_url: Optional[str] = None,
+                 rows_per_request: int = 64, max_in_flight: int = 32, server_tp: int = 1):
         if not urls:
             raise ValueError("SGLangEngine needs at least one server URL")
+        if rows_per_request < 1 or max_in_flight < 1 or server_tp < 1:
+            raise ValueError(f"rows_per_request={rows_per_request}, max_in_flight={max_in_flight}"
+                             f", server_tp={server_tp}: each must be >= 1")
         self.clients = [SGLangClient(u, retry) for u in urls]
         self.router = SGLangClient(router_url, retry) if router_url else None
         self.routes_shape = (num_hidden_layers, top_k, list(moe_layers)) if return_routes else None
+        self.rows_per_request, self.max_in_flight = rows_per_request, max_in_flight
+        self.server_tp = server_tp
         self.weight_version = 0
         if self.router is not None:
             self.register_workers()
@@ -210,16 +247,38 @@ class SGLangEngine:
             c.wait_ready(timeout_s)
 
     def generate(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int,
-                 params: SamplingParams) -> list[Sample]:
+                 params: SamplingParams, *, first_row: int = 0) -> list[Sample]:
+        """``samples_per_prompt`` responses per prompt, in prompt order. With ``params.seed``,
+        row r (counting from ``first_row`` in the step's global batch) is sent with
+        ``sampling_seed = row_seed(seed, first_row + r)``: the rows of a group differ, and a
+        server in deterministic-inference mode repeats them."""
         params.validate()
+        rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(samples_per_prompt)]
+        seeds = (None if params.seed is None
+                 else [row_seed(params.seed, first_row + r) for r in range(len(rows))])
+        size = self.rows_per_request
+        chunks = [range(a, min(a + size, len(rows))) for a in range(0, len(rows), size)]
+        want_routes = self.routes_shape is not None
+
+        def request(j: int) -> list:
+            client = self.router or self.clients[j % len(self.clients)]
+            part = chunks[j]
+            return client.generate([rows[r][1] for r in part], params,
+                                   seeds=None if seeds is None else [seeds[r] for r in part],
+                                   return_routed_experts=want_routes)
+
+        if len(chunks) <= 1 or self.max_in_flight == 1:
+            replies = [request(j) for j in range(len(chunks))]
+        else:
+            with ThreadPoolExecutor(max_workers=min(self.max_in_flight, len(chunks))) as pool:
+                futures = [pool.submit(request, j) for j in range(len(chunks))]
+                replies = [f.result() for f in futures]  # the first failure, after all finished
         out = []
-        for i, prompt in enumerate(prompts):  # one batched request per prompt group
-            client = self.router or self.clients[i % len(self.clients)]
-            reply = client.generate([prompt] * samples_per_prompt, params,
-                                    return_routed_experts=self.routes_shape is not None)
-            for item in reply:
+        for part, reply in zip(chunks, replies):
+            for r, item in zip(part, reply):
+                index, prompt = rows[r]
                 sample = parse_result(item, prompt, routes_shape=self.routes_shape)
-                sample.prompt_index = i
+                sample.prompt_index = index
                 out.append(sample)
         return out
 
@@ -227,6 +286,21 @@ class SGLangEngine:
     def _each(self, path: str, payload: Optional[dict] = None) -> None:
         for c in self.clients:
             c.post(path, payload)
+
+    def _flush(self) -> None:
+        for c in self.clients:
+            c.request("GET", "/flush_cache", expect_json=False)
+
+    @contextlib.contextmanager
+    def _paused(self):
+        """Generation paused on every server for a weight update; the cache is flushed after it
+        and generation continues whatever happens."""
+        self._each("/pause_generation", {})
+        try:
+            yield
+            self._flush()
+        finally:
+            self._each("/continue_generation", {})
 
     def update_weights_from_disk(self, hf_dir: str) -> None:
         """Servers reload HF weights from ``hf_dir`` (a path they can read)."""
@@ -243,19 +317,19 @@ class SGLangEngine:
         """``source``: a directory of an HF checkpoint the servers can read."""
         self.update_weights_from_disk(source)
 
-    def update_weights_from_distributed(self, named_tensors: Sequence[tuple], group,
-                                        group_name: str = "weight_update_group") -> None:
-        """Broadcast full HF-named tensors from trainer rank 0 over ``group`` (see
-        ``init_weights_update_group``) while each server receives them in the same order."""
+    def _distributed_bucket(self, named_tensors: Sequence[tuple], group,
+                            group_name: str = "weight_update_group") -> None:
+        """One bucket over ``group`` (see ``init_weights_update_group``): each server's
+        ``/update_weights_from_distributed`` call is pending while rank 0 broadcasts the tensors,
+        from the device they live on, in the same order."""
         import threading
 
         import torch.distributed as dist
 
-        self.weight_version += 1
         payload = {"names": [n for n, _ in named_tensors],
                    "dtypes": [str(t.dtype).replace("torch.", "") for _, t in named_tensors],
                    "shapes": [list(t.shape) for _, t in named_tensors],
-                   "group_name": group_name, "flush_cache": True,
+                   "group_name": group_name, "flush_cache": False,
                    "weight_version": str(self.weight_version)}
         errors = []
 
@@ -265,55 +339,82 @@ class SGLangEngine:
             except Exception as e:  # reported after the broadcasts
                 errors.append(e)
 
-        self._each("/pause_generation", {})
-        try:
-            threads = [threading.Thread(target=call, args=(c,)) for c in self.clients]
-            for t in threads:
-                t.start()
-            for _, tensor in named_tensors:
-                dist.broadcast(tensor.contiguous(), group_src=0, group=group)
-            for t in threads:
-                t.join()
-        finally:
-            self._each("/continue_generation", {})
+        threads = [threading.Thread(target=call, args=(c,)) for c in self.clients]
+        for t in threads:
+            t.start()
+        for _, tensor in named_tensors:
+            dist.broadcast(tensor.contiguous(), group_src=0, group=group)
+        for t in threads:
+            t.join()
         if errors:
             raise errors[0]
 
-    def update_weights_from_tensor(self, named_tensors: Sequence[tuple]) -> None:
-        """Colocated servers read the tensors through CUDA IPC (one payload per engine TP rank)."""
-        require_sglang("update_weights_from_tensor")
-        from sglang.srt.utils import MultiprocessingSerializer  # pragma: no cover
-
-        blob = base64.b64encode(MultiprocessingSerializer.serialize(list(named_tensors))).decode()
+    def update_weights_from_distributed(self, named_tensors: Sequence[tuple], group,
+                                        group_name: str = "weight_update_group") -> None:
+        """Broadcast HF-named tensors (one bucket) from trainer rank 0 over ``group``."""
         self.weight_version += 1
-        self._each("/update_weights_from_tensor", {"serialized_named_tensors": [blob],
-                                                   "flush_cache": True,
-                                                   "weight_version": str(self.weight_version)})
+        with self._paused():
+            self._distributed_bucket(named_tensors, group, group_name)
+
+    def _tensor_bucket(self, named_tensors: Sequence[tuple]) -> None:
+        """Colocated servers: one serialized payload per server TP rank (TP rank i reads entry
+        i); each holds the bucket's full HF tensors, which the rank shards as it loads them."""
+        blob = serialize_named_tensors(named_tensors)
+        self._each("/update_weights_from_tensor",
+                   {"serialized_named_tensors": [blob] * self.server_tp, "flush_cache": False,
+                    "weight_version": str(self.weight_version)})
+
+    def update_weights_from_tensor(self, named_tensors: Sequence[tuple]) -> None:
+        self.weight_version += 1
+        with self._paused():
+            self._tensor_bucket(named_tensors)
 
     def sync_from_model(self, gpt, model_cfg, ctx, *, mode: str = "disk",
-                        disk_dir: Optional[str] = None, group=None) -> None:
-        """Push the trainer's weights: every rank calls; rank 0 gathers the whole model under HF
-        names (``hf_qwen3moe.gather_hf_state``) and sends it ``mode="disk"`` (a checkpoint in
-        ``disk_dir``, which the servers must be able to read) or ``"distributed"`` (broadcast over
-        ``group`` from ``init_weights_update_group``) or ``"tensor"`` (colocated servers)."""
+                        disk_dir: Optional[str] = None, group=None,
+                        bucket_bytes: int = 512 << 20) -> Optional[SyncStats]:
+        """Push the trainer's weights; every rank calls. The model goes out under HF names one
+        bucket of about ``bucket_bytes`` at a time (``hf_qwen3moe.iter_hf_buckets``: shards
+        come to rank 0 straight from their device), sent ``mode="distributed"`` (broadcast over
+        ``group`` from ``init_weights_update_group``), ``"tensor"`` (colocated servers) or
+        ``"disk"`` (a checkpoint in ``disk_dir``, one shard per bucket, that the servers must be
+        able to read; for debugging). Rank 0 returns what was sent, the others None."""
         import torch.distributed as dist
 
-        from megatron_gspo.hf_qwen3moe import gather_hf_state, hf_config_from_model, write_hf_checkpoint
+        from megatron_gspo.hf_qwen3moe import hf_config_from_model, iter_hf_buckets
 
         if mode not in ("disk", "distributed", "tensor"):
             raise ValueError(f"weight sync mode {mode!r}; valid: disk, distributed, tensor")
-        state = gather_hf_state(gpt, model_cfg, ctx)
-        if ctx.rank == 0:
-            if mode == "disk":
-                if disk_dir is None:
-                    raise ValueError("weight sync from disk needs disk_dir")
-                write_hf_checkpoint(state, hf_config_from_model(model_cfg), disk_dir)
+        if mode == "disk" and disk_dir is None:
+            raise ValueError("weight sync from disk needs disk_dir")
+        t0 = time.perf_counter()
+        leader = ctx.rank == 0
+        sent = [0, 0, 0]  # tensors, bytes, buckets
+        buckets = iter_hf_buckets(gpt, model_cfg, ctx, bucket_bytes)
+        if mode == "disk":
+            writer = ShardWriter(disk_dir) if leader else None
+            for bucket in buckets:
+                if leader:
+                    writer.write(bucket)
+                    _count(sent, bucket)
+            if leader:
+                writer.close(hf_config_from_model(model_cfg))
                 self.update_weights_from_disk(disk_dir)
-            elif mode == "distributed":
-                self.update_weights_from_distributed(sorted(state.items()), group)
+        else:
+            send = self._distributed_bucket if mode == "distributed" else self._tensor_bucket
+            args = (group,) if mode == "distributed" else ()
+            if leader:
+                self.weight_version += 1
+                with self._paused():
+                    for bucket in buckets:
+                        send(bucket, *args)
+                        _count(sent, bucket)
             else:
-                self.update_weights_from_tensor(sorted(state.items()))
+                for _ in buckets:
+                    pass
         dist.barrier()
+        if not leader:
+            return None
+        return SyncStats(mode, sent[0], sent[1], sent[2], time.perf_counter() - t0)
 
     def release_memory(self, tags: Optional[list] = None) -> None:
         self._each("/release_memory_occupation", {"tags": tags})
@@ -323,6 +424,55 @@ class SGLangEngine:
 
     def shutdown(self) -> None:
         return None
+
+
+def _count(sent: list, bucket: Sequence[tuple]) -> None:
+    sent[0] += len(bucket)
+    sent[1] += sum(t.numel() * t.element_size() for _, t in bucket)
+    sent[2] += 1
+
+
+def serialize_named_tensors(named_tensors: Sequence[tuple]) -> str:
+    """One ``serialized_named_tensors`` entry: CUDA tensors as SGLang's
+    ``MultiprocessingSerializer`` makes them (CUDA IPC handles; keep the tensors alive until the
+    call returns); host tensors, which only the test stand-in receives since SGLang serves on
+    GPUs, as a ``torch.save`` of the same (name, tensor) list. Base64 text either way."""
+    named = list(named_tensors)
+    if any(t.is_cuda for _, t in named):
+        require_sglang("update_weights_from_tensor")
+        from sglang.srt.utils import MultiprocessingSerializer  # pragma: no cover
+
+        return base64.b64encode(MultiprocessingSerializer.serialize(named)).decode()
+    buf = io.BytesIO()
+    torch.save(named, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+class ShardWriter:
+    """A HF checkpoint written one bucket (one safetensors shard) at a time, then its index and
+    config.json; the host holds one bucket at a time."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir, self.weight_map, self.total = out_dir, {}, 0
+        os.makedirs(out_dir, exist_ok=True)
+        for f in os.listdir(out_dir):  # shards of an earlier sync
+            if f.endswith(".safetensors") or f == "model.safetensors.index.json":
+                os.remove(os.path.join(out_dir, f))
+
+    def write(self, bucket: Sequence[tuple]) -> None:
+        from safetensors.torch import save_file
+
+        fname = f"model-{len(set(self.weight_map.values())) + 1:05d}.safetensors"
+        tensors = {n: t.detach().to("cpu").contiguous() for n, t in bucket}
+        save_file(tensors, os.path.join(self.out_dir, fname), metadata={"format": "pt"})
+        self.weight_map.update({n: fname for n in tensors})
+        self.total += sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def close(self, config: dict) -> None:
+        with open(os.path.join(self.out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": self.total}, "weight_map": self.weight_map}, f)
+        with open(os.path.join(self.out_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
 
 
 def init_weights_update_group(engine: SGLangEngine, *, master_address: str, master_port: int,

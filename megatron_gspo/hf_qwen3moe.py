@@ -469,32 +469,39 @@ def iter_hf_buckets(gpt, m: ModelConfig, ctx: ParallelContext, bucket_bytes: int
                                 "expert-bias tensor; export or sync weights without it")
     params = {global_name(n, m, ctx): p for n, p in _local_params(gpt).items()}
     for bucket in _bucket_plan(gpt, m, ctx, bucket_bytes):
-        ops, received = [], {}
+        yield _gather_bucket(bucket, params, m, ctx, dst)  # no reference kept here
+
+
+def _gather_bucket(bucket: list, params: dict, m: ModelConfig, ctx: ParallelContext,
+                   dst: int) -> list:
+    """One bucket's HF tensors on ``dst`` (empty elsewhere); the shards received for it are
+    released on return, as is everything else but the result."""
+    ops, received = [], {}
+    for pieces in bucket:
+        for piece in pieces:
+            if ctx.rank == dst and piece.owner != dst:
+                buf = torch.empty(piece.shape, dtype=piece.dtype, device=ctx.device)
+                received[(piece.gname, piece.index)] = buf
+                ops.append(dist.P2POp(dist.irecv, buf, piece.owner))
+            elif ctx.rank == piece.owner and ctx.rank != dst:
+                ops.append(dist.P2POp(dist.isend, params[piece.gname].detach().contiguous(), dst))
+    if ops:
+        works = dist.batch_isend_irecv(ops)
+        for work in works:
+            work.wait()
+        del works, ops
+    out = []
+    if ctx.rank == dst:
         for pieces in bucket:
-            for piece in pieces:
-                if ctx.rank == dst and piece.owner != dst:
-                    buf = torch.empty(piece.shape, dtype=piece.dtype, device=ctx.device)
-                    received[(piece.gname, piece.index)] = buf
-                    ops.append(dist.P2POp(dist.irecv, buf, piece.owner))
-                elif ctx.rank == piece.owner and ctx.rank != dst:
-                    ops.append(dist.P2POp(dist.isend, params[piece.gname].detach().contiguous(), dst))
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-        out = []
-        if ctx.rank == dst:
-            for pieces in bucket:
-                gname = pieces[0].gname
-                parts = [received.pop((gname, p.index)) if p.owner != dst
-                         else params[gname].detach() for p in pieces]
-                rule = rule_for(gname, m)
-                full = from_pieces(rule, parts)
-                del parts
-                for (hf_name, shape), t in zip(rule.hf, rule.from_global(full)):
-                    out.append((hf_name, t.reshape(shape).contiguous()))
-                del full
-        yield out
-        del out
+            gname = pieces[0].gname
+            parts = [received.pop((gname, p.index)) if p.owner != dst
+                     else params[gname].detach() for p in pieces]
+            rule = rule_for(gname, m)
+            full = from_pieces(rule, parts)
+            del parts  # the received shards of this tensor go as soon as it is assembled
+            for (hf_name, shape), t in zip(rule.hf, rule.from_global(full)):
+                out.append((hf_name, t.reshape(shape).contiguous()))
+    return out
 
 
 def export_hf(gpt, m: ModelConfig, ctx: ParallelContext, out_dir: str,

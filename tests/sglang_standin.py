@@ -236,7 +236,7 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s):
                 from datetime import timedelta
 
                 import torch.distributed as dist
-                from torch.distributed.distributed_c10d import _new_process_group_helper
+                from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
                 store = dist.TCPStore(body["master_address"], body["master_port"],
                                       body["world_size"], is_master=False,
@@ -245,6 +245,7 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s):
                 state["group"], _ = _new_process_group_helper(
                     body["world_size"], body["rank_offset"], [], body["backend"], prefix,
                     group_name=body["group_name"], timeout=timedelta(seconds=60))
+                _world.pg_group_ranks[state["group"]] = {i: i for i in range(body["world_size"])}
                 return self._reply(200, {"success": True, "message": "joined"})
             if self.path == "/update_weights_from_distributed":
                 import torch.distributed as dist
@@ -357,15 +358,14 @@ def peak_allocated(fn):
     return value, peak
 
 
-def trainer_sync_job(url, hf_dir, cases, prompts):
-    """Trainer ranks: for each case (parallel layout, sync mode, server TP size, bucket bytes),
+def trainer_sync_job(hf_dir, cases, prompts):
+    """Trainer ranks: for each case (server URL, parallel layout, sync mode, server TP size,
+    bucket bytes),
     import (perturbed) HF weights into the layout, push them to the server through the HF
     mapping, and return the server's greedy outputs afterwards, what was sent and the peak
     memory allocated during the sync on each rank."""
     import socket
     import warnings
-
-    import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
     from megatron_gspo.config import ParallelConfig
@@ -382,7 +382,7 @@ def trainer_sync_job(url, hf_dir, cases, prompts):
         ctx = init_parallel(ParallelConfig(**case["parallel"]), cfg, seed=0)
         gpt = build_model(cfg, ctx)
         load_hf_weights(gpt, hf_dir, cfg, ctx)
-        engine = SGLangEngine([url], num_hidden_layers=4, top_k=2, moe_layers=[1, 2, 3],
+        engine = SGLangEngine([case["url"]], num_hidden_layers=4, top_k=2, moe_layers=[1, 2, 3],
                               server_tp=case.get("server_tp", 1))
         group = None
         if case["mode"] == "distributed" and ctx.rank == 0:
@@ -399,7 +399,6 @@ def trainer_sync_job(url, hf_dir, cases, prompts):
                 bucket_bytes=case.get("bucket_bytes", 512 << 20)))
         except Exception as e:  # reported to the test, which expects it for some cases
             error, stats, peak = str(e), None, None
-            dist.barrier()
         outputs = None
         if ctx.rank == 0 and error is None:
             outputs = [s.response_ids for s in engine.generate(

@@ -119,11 +119,13 @@ def test_weight_sync_in_buckets(random_tp2, deterministic, tiny_hf_checkpoint,
         e.update_weights_from_disk(tiny_hf_checkpoint)
         assert [s.response_ids for s in e.generate(PROMPTS, 1, GREEDY)] != expected[url]
     bucket = 160_000
-    distributed = [dict(parallel=dict(ep=2), mode="distributed", bucket_bytes=bucket)]
-    tensor = [dict(parallel=dict(tp=2), mode="tensor", server_tp=2, bucket_bytes=bucket),
-              dict(parallel=dict(tp=2), mode="tensor", server_tp=1, bucket_bytes=bucket)]
-    dist_ranks = run_ranks(trainer_sync_job, 2, deterministic, perturbed, distributed, PROMPTS)
-    tensor_ranks = run_ranks(trainer_sync_job, 2, random_tp2, perturbed, tensor, PROMPTS)
+    tp2 = dict(tp=2, sequence_parallel=True)
+    cases = [dict(url=deterministic, parallel=dict(ep=2), mode="distributed", bucket_bytes=bucket),
+             dict(url=random_tp2, parallel=tp2, mode="tensor", server_tp=2, bucket_bytes=bucket),
+             dict(url=random_tp2, parallel=tp2, mode="tensor", server_tp=1, bucket_bytes=bucket)]
+    ranks = run_ranks(trainer_sync_job, 2, perturbed, cases, PROMPTS)
+    dist_ranks = [r[:1] for r in ranks]
+    tensor_ranks = [r[1:] for r in ranks]
 
     # EP=2 -> buckets broadcast over the weight-update group -> the server's weights.
     lead = dist_ranks[0][0]

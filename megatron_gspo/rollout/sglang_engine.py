@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import io
 import json
 import os
@@ -32,6 +33,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from megatron_gspo import comm
 from megatron_gspo.rollout.types import Sample, SamplingParams, row_seed
 
 try:  # pragma: no cover - sglang is a GPU-only dependency
@@ -378,8 +380,6 @@ class SGLangEngine:
         ``group`` from ``init_weights_update_group``), ``"tensor"`` (colocated servers) or
         ``"disk"`` (a checkpoint in ``disk_dir``, one shard per bucket, that the servers must be
         able to read; for debugging). Rank 0 returns what was sent, the others None."""
-        import torch.distributed as dist
-
         from megatron_gspo.hf_qwen3moe import hf_config_from_model, iter_hf_buckets
 
         if mode not in ("disk", "distributed", "tensor"):
@@ -389,29 +389,41 @@ class SGLangEngine:
         t0 = time.perf_counter()
         leader = ctx.rank == 0
         sent = [0, 0, 0]  # tensors, bytes, buckets
-        buckets = iter_hf_buckets(gpt, model_cfg, ctx, bucket_bytes)
         if mode == "disk":
             writer = ShardWriter(disk_dir) if leader else None
-            for bucket in buckets:
-                if leader:
-                    writer.write(bucket)
-                    _count(sent, bucket)
-            if leader:
-                writer.close(hf_config_from_model(model_cfg))
-                self.update_weights_from_disk(disk_dir)
+            send = writer.write if leader else None
         else:
-            send = self._distributed_bucket if mode == "distributed" else self._tensor_bucket
-            args = (group,) if mode == "distributed" else ()
+            send = (functools.partial(self._distributed_bucket, group=group)
+                    if mode == "distributed" else self._tensor_bucket)
             if leader:
                 self.weight_version += 1
-                with self._paused():
-                    for bucket in buckets:
-                        send(bucket, *args)
+                self._each("/pause_generation", {})
+        # Every rank drives the buckets to the end (they are collectives), even after the
+        # leader failed to send one; the failure is raised on every rank afterwards.
+        error = None
+        try:
+            for bucket in iter_hf_buckets(gpt, model_cfg, ctx, bucket_bytes):
+                if leader and error is None:
+                    try:
+                        send(bucket)
                         _count(sent, bucket)
-            else:
-                for _ in buckets:
-                    pass
-        dist.barrier()
+                    except Exception as e:
+                        error = e
+                del bucket  # before the next one is gathered: two buckets at most
+            if leader and error is None:
+                if mode == "disk":
+                    writer.close(hf_config_from_model(model_cfg))
+                    self.update_weights_from_disk(disk_dir)
+                else:
+                    self._flush()
+        except Exception as e:
+            error = error or e
+        finally:
+            if leader and mode != "disk":
+                self._each("/continue_generation", {})
+        if comm.any_rank(error is not None, device=ctx.device):
+            raise error if error is not None else SGLangError(
+                "weight sync failed on rank 0 (its error is in rank 0's log)")
         if not leader:
             return None
         return SyncStats(mode, sent[0], sent[1], sent[2], time.perf_counter() - t0)
@@ -486,7 +498,7 @@ def init_weights_update_group(engine: SGLangEngine, *, master_address: str, mast
     from datetime import timedelta
 
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _new_process_group_helper
+    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
     world = 1 + sum(engine_gpus)
     errors = []
@@ -509,6 +521,9 @@ def init_weights_update_group(engine: SGLangEngine, *, master_address: str, mast
     prefix = dist.PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(world, 0, [], backend, prefix, group_name=group_name,
                                          timeout=timedelta(seconds=timeout_s))
+    # The group is outside the trainer's world: its ranks are its own (as SGLang registers them),
+    # which collectives need to translate group ranks.
+    _world.pg_group_ranks[group] = {i: i for i in range(world)}
     for t in threads:
         t.join()
     if errors:

@@ -278,10 +278,12 @@ def sync_weights(run: Run) -> None:
         return
     r = run.job.rollout
     if r.weight_sync == "distributed" and run.sync_group is None and run.ctx.rank == 0:
-        # SGLang's servers join rank 0 of the trainer in one NCCL group for the broadcasts.
+        # SGLang's servers join rank 0 of the trainer in one group for the broadcasts (NCCL on
+        # GPUs; gloo on CPU, where only the test stand-in serves).
         run.sync_group = init_weights_update_group(
             run.engine, master_address=socket.getfqdn(), master_port=r.weight_sync_port,
-            engine_gpus=[r.sglang_gpus_per_server] * len(run.engine.clients))
+            engine_gpus=[r.sglang_gpus_per_server] * len(run.engine.clients),
+            backend="nccl" if run.ctx.device.type == "cuda" else "gloo")
     stats = run.engine.sync_from_model(
         run.gpt, run.job.model, run.ctx, mode=r.weight_sync,
         disk_dir=os.path.join(run.job.run_dir, "weight_sync"), group=run.sync_group,

@@ -46,3 +46,29 @@ def test_batch_of_64_prompts_is_seeded_and_ordered():
     assert len(first) == 64 and all(len(r) == 6 for r in first)
     assert first == again
     assert index == list(range(64))
+
+
+def test_logprobs_under_top_k_top_p_are_of_the_untruncated_distribution():
+    """The engine samples from the truncated distribution but reports the log-prob of the full
+    tempered softmax: the quantity the trainer recomputes (algo.old_logprobs=engine relies on it)."""
+    import torch
+
+    from megatron_gspo.rollout.local_engine import sample_next
+    from megatron_gspo.rollout.types import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(64, 16, generator=g)
+    params = SamplingParams(temperature=0.8, top_k=4, top_p=0.7)
+    token, logp = sample_next(logits, params, generator=g)
+    probs = torch.softmax(logits / 0.8, -1)
+    for row in range(64):
+        p = probs[row]
+        top = p.argsort(descending=True)[:4]  # top-k, then the smallest prefix reaching top_p
+        cum = torch.cumsum(p[top], 0)
+        kept = top[:int((cum - p[top] < 0.7).sum())]
+        t = int(token[row])
+        assert t in kept.tolist()
+        assert abs(float(logp[row]) - float(torch.log(p[t]))) < 1e-5
+        truncated = torch.log(p[t] / p[kept].sum())
+        if len(kept) < 16:
+            assert float(truncated) > float(logp[row])

@@ -238,6 +238,10 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s):
                 import torch.distributed as dist
                 from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
+                if state["group"] is not None:  # as sglang: torch refuses a second group
+                    return self._reply(200, {"success": False, "message": (
+                        "Failed to initialize custom process group: the group name "
+                        f"{body['group_name']!r} has already been created")})
                 store = dist.TCPStore(body["master_address"], body["master_port"],
                                       body["world_size"], is_master=False,
                                       timeout=timedelta(seconds=60))
@@ -247,6 +251,14 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s):
                     group_name=body["group_name"], timeout=timedelta(seconds=60))
                 _world.pg_group_ranks[state["group"]] = {i: i for i in range(body["world_size"])}
                 return self._reply(200, {"success": True, "message": "joined"})
+            if self.path == "/destroy_weights_update_group":
+                import torch.distributed as dist
+
+                if state["group"] is None:
+                    return self._reply(200, {"success": False, "message": "no such group"})
+                dist.destroy_process_group(state["group"])
+                state["group"] = None
+                return self._reply(200, {"success": True, "message": "destroyed"})
             if self.path == "/update_weights_from_distributed":
                 import torch.distributed as dist
 

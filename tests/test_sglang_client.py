@@ -78,6 +78,18 @@ def test_weight_sync_over_a_process_group(server, tiny_hf_checkpoint, perturbed_
     e.update_weights_from_disk(tiny_hf_checkpoint)
 
 
+def test_a_server_that_cannot_join_the_group_fails_it_at_once(server):
+    client = SGLangClient(server)
+    client.post("/_fault", {"mode": "500", "count": 100})
+    try:
+        with pytest.raises(SGLangError, match="a server did not join: .*HTTP 500"):
+            init_weights_update_group(engine(server), master_address="127.0.0.1",
+                                      master_port=_free_port(), engine_gpus=[1], backend="gloo",
+                                      timeout_s=600)
+    finally:
+        client.post("/_fault", {"mode": "500", "count": 0})
+
+
 def test_memory_release_and_resume(server):
     e = engine(server)
     e.release_memory()

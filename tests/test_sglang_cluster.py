@@ -179,8 +179,15 @@ def test_trainer_layouts_with_sglang(random_tp2, deterministic, tiny_hf_checkpoi
     for j, name in enumerate(names):
         per_rank = [r[j]["steps"] for r in ranks]
         assert [len(s) for s in per_rank] == [2, 2], name
-        rows = ranks[0][j]["rows"]
-        assert [r["step"] for r in rows if "train/loss" in r] == [1, 2], name
+        rows = [r for r in ranks[0][j]["rows"] if "train/loss" in r]
+        assert [r["step"] for r in rows] == [1, 2], name
+        for r in rows:
+            assert r["minibatch/ratio_mean"][0] == 1.0 and r["minibatch/clip_fraction"][0] == 0.0
+            # the server generates with the weights the trainer pushed: the same log-probs and
+            # (R3 / drift) routes
+            assert r["rollout/logprob_mismatch"] < 1e-4, name
+            if name == "tp2":
+                assert r["moe/drift/rollout_train/mean"] < 0.05
         if name.startswith("dp2"):
             continue
         # One replica: both ranks trained on bitwise-identical token ids, every step.

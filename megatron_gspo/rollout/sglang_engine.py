@@ -512,22 +512,44 @@ def init_weights_update_group(engine: SGLangEngine, *, master_address: str, mast
         except Exception as e:
             errors.append(e)
 
+    for client in engine.clients:  # a group left by an earlier run under this name refuses joins
+        try:
+            client.post("/destroy_weights_update_group", {"group_name": group_name})
+        except SGLangError:
+            pass  # none there
     offsets = [1 + sum(engine_gpus[:i]) for i in range(len(engine_gpus))]
     threads = [threading.Thread(target=join, args=(c, o)) for c, o in zip(engine.clients, offsets)]
     for t in threads:
         t.start()
-    store = dist.TCPStore(master_address, master_port, world, is_master=True,
-                          timeout=timedelta(seconds=timeout_s))
-    prefix = dist.PrefixStore(group_name, store)
-    group, _ = _new_process_group_helper(world, 0, [], backend, prefix, group_name=group_name,
-                                         timeout=timedelta(seconds=timeout_s))
+    built = {}
+
+    def build():
+        try:
+            store = dist.TCPStore(master_address, master_port, world, is_master=True,
+                                  timeout=timedelta(seconds=timeout_s))
+            prefix = dist.PrefixStore(group_name, store)
+            built["group"], _ = _new_process_group_helper(
+                world, 0, [], backend, prefix, group_name=group_name,
+                timeout=timedelta(seconds=timeout_s))
+        except Exception as e:
+            built["error"] = e
+
+    # The rendezvous waits for every server; a server that refuses to join ends the wait.
+    builder = threading.Thread(target=build, daemon=True)
+    builder.start()
+    while builder.is_alive():
+        if errors:
+            raise SGLangError(f"weight-update group {group_name!r}: a server did not join: "
+                              f"{errors[0]}")
+        builder.join(0.1)
+    for t in threads:
+        t.join()
+    if errors or "error" in built:
+        raise errors[0] if errors else built["error"]
+    group = built["group"]
     # The group is outside the trainer's world: its ranks are its own (as SGLang registers them),
     # which collectives need to translate group ranks.
     _world.pg_group_ranks[group] = {i: i for i in range(world)}
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
     return group
 
 

@@ -59,3 +59,86 @@ def perturbed_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
     tensors = {k: v + 0.2 * torch.randn(v.shape, generator=g) for k, v in tensors.items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return str(path), tensors
+
+
+# Parallel layouts of the tiny model (world size, ParallelConfig kwargs).
+LAYOUTS = {
+    "single": (1, {}),
+    "tp2_sp": (2, dict(tp=2, sequence_parallel=True)),
+    "ep2": (2, dict(ep=2)),
+    "pp2": (2, dict(pp=2)),
+    "tp2_ep2": (4, dict(tp=2, ep=2, sequence_parallel=True)),
+    "pp2_ep2": (4, dict(pp=2, ep=2)),
+}
+
+
+@pytest.fixture(scope="session")
+def layout_tokens():
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, 128, (4, 17), generator=g)
+
+
+@pytest.fixture(scope="session")
+def gspo_inputs():
+    """A batch for one GSPO step: tokens, old-policy offsets (some clipping), advantages, and
+    response masks of 16, 7, 1 and 10 tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(21)
+    tokens = torch.randint(0, 128, (4, 17), generator=g)
+    delta = 2e-4 * torch.randn(4, 16, generator=g)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    mask = torch.zeros(4, 16)
+    for i, n in enumerate([16, 7, 1, 10]):
+        mask[i, 16 - n:] = 1
+    return tokens, delta, adv, mask
+
+
+PACKED_LAYOUTS = ("single", "tp2_sp", "pp2")
+
+
+def packed_sequences():
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 128, (n,), generator=g) for n in (7, 10, 2, 6)]
+
+
+@pytest.fixture(scope="session")
+def unnormalised_checkpoint(tmp_path_factory):
+    """norm_topk_prob=False (Megatron's pre-softmax router) with no leading dense layer."""
+    return make_hf_checkpoint(str(tmp_path_factory.mktemp("hf_unnormalised")),
+                              norm_topk_prob=False, mlp_only_layers=[])
+
+
+@pytest.fixture(scope="session")
+def layout_runs(tiny_hf_checkpoint, unnormalised_checkpoint, layout_tokens, gspo_inputs,
+                tmp_path_factory):
+    """Every model-level job of the tiny model's layouts, all layouts of one world size in one
+    spawn: per layout, {"model": forward/backward + HF export results, "gspo": one GSPO step,
+    "packed": packed vs padded log-probs (PACKED_LAYOUTS), "export": dir}; and under
+    "unnormalised", the EP=2 forward of ``unnormalised_checkpoint``."""
+    from tests.distributed import run_layouts
+    from tests.model_workers import gspo_step_job, layout_job, packed_vs_padded_job
+
+    out = {}
+    for world in sorted({w for w, _ in LAYOUTS.values()}):
+        cases, slots = [], []
+        for n in [n for n, (w, _) in LAYOUTS.items() if w == world]:
+            out[n] = {"export": str(tmp_path_factory.mktemp(f"export_{n}"))}
+            kwargs = LAYOUTS[n][1]
+            cases.append((layout_job, (tiny_hf_checkpoint, kwargs, layout_tokens, out[n]["export"])))
+            cases.append((gspo_step_job, (tiny_hf_checkpoint, kwargs, *gspo_inputs, "gspo")))
+            slots += [(n, "model"), (n, "gspo")]
+            if n in PACKED_LAYOUTS:
+                cases.append((packed_vs_padded_job, (tiny_hf_checkpoint, kwargs,
+                                                     packed_sequences())))
+                slots.append((n, "packed"))
+        if world == 2:
+            cases.append((layout_job, (unnormalised_checkpoint, dict(ep=2), layout_tokens)))
+            slots.append(("unnormalised", "model"))
+        for (n, key), per_rank in zip(slots, run_layouts(world, cases)):
+            out.setdefault(n, {})[key] = per_rank
+    return out

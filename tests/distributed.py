@@ -77,3 +77,22 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0) -> list:
     if errors:
         raise RuntimeError("\n".join(errors))
     return [out[r] for r in range(world_size)]
+
+
+def _each_layout(cases):
+    """In one rank: ``fn(*args)`` for every ``(fn, args)`` case, Megatron's groups torn down in
+    between (each case builds its own layout on the same world)."""
+    from megatron_gspo.parallel import destroy_parallel
+
+    out = []
+    for fn, args in cases:
+        out.append(fn(*args))
+        destroy_parallel(keep_process_group=True)
+    return out
+
+
+def run_layouts(world_size: int, cases: list, timeout: float = 600.0) -> list:
+    """``fn(*args)`` for each ``(fn, args)`` case, one after another in the same ``world_size``
+    ranks (one spawn for several layouts); returns, per case, the per-rank return values."""
+    per_rank = run_ranks(_each_layout, world_size, cases, timeout=timeout)
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]

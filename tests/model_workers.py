@@ -190,8 +190,10 @@ def gspo_step_job(hf_dir, parallel_kwargs, tokens_BS, delta_BS, adv_B, mask_BS, 
     metrics = last_stage_metrics(out, ctx, functools.partial(combine_metrics, algo))
     _, grad_norm, _ = opt.step()
     after, _ = logprob_pass(ddp, ctx, tokens_BS, micro_batches=n_mb, backward=False)
+    keep = ctx.tp_rank == 0
     return dict(metrics={k: float(v) for k, v in metrics.items()}, grad_norm=float(grad_norm),
-                after=after if ctx.tp_rank == 0 else None)
+                after=after if keep else None,
+                before=None if old is None or not keep else old - delta_BS)
 
 
 def packed_vs_padded_job(hf_dir, parallel_kwargs, sequences):

@@ -7,36 +7,24 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.model_workers import layout_job
+from tests.conftest import LAYOUTS, PACKED_LAYOUTS
 
-LAYOUTS = {
-    "single": (1, {}),
-    "tp2_sp": (2, dict(tp=2, sequence_parallel=True)),
-    "ep2": (2, dict(ep=2)),
-    "pp2": (2, dict(pp=2)),
-    "tp2_ep2": (4, dict(tp=2, ep=2, sequence_parallel=True)),
-    "pp2_ep2": (4, dict(pp=2, ep=2)),
-}
+@pytest.fixture(scope="module")
+def tokens(layout_tokens):
+    return layout_tokens
 
 
 @pytest.fixture(scope="module")
-def tokens():
-    g = torch.Generator().manual_seed(7)
-    return torch.randint(0, 128, (4, 17), generator=g)
-
-
-@pytest.fixture(scope="module")
-def layout_results(tiny_hf_checkpoint, tokens, tmp_path_factory):
-    from tests.distributed import run_ranks
-
+def layout_results(layout_runs):
     results = {}
-    for name, (world, kwargs) in LAYOUTS.items():
-        export = str(tmp_path_factory.mktemp(f"export_{name}"))
-        per_rank = run_ranks(layout_job, world, tiny_hf_checkpoint, kwargs, tokens, export)
+    for name in LAYOUTS:
+        run = layout_runs[name]
+        per_rank = run["model"]
         logps = [r["logp"] for r in per_rank if r["logp"] is not None]
         results[name] = dict(per_rank=per_rank, logp=logps[0],
-                             entropy=[r["entropy"] for r in per_rank if r["entropy"] is not None][0],
-                             export=export, all_logp=logps)
+                             entropy=[r["entropy"] for r in per_rank
+                                      if r["entropy"] is not None][0],
+                             export=run["export"], all_logp=logps)
     return results
 
 
@@ -90,27 +78,17 @@ def test_hf_round_trip_is_bitwise(layout_results, tiny_hf_checkpoint, name):
         assert torch.equal(exported[key], tensor), key
 
 
-def test_unnormalised_topk_and_all_moe_layers_match_transformers(tmp_path, tokens):
-    """norm_topk_prob=False (Megatron's pre-softmax router) with no leading dense layer."""
-    from tests.conftest import make_hf_checkpoint
-    from tests.distributed import run_ranks
-
-    hf_dir = make_hf_checkpoint(str(tmp_path / "hf"), norm_topk_prob=False, mlp_only_layers=[])
-    ours = run_ranks(layout_job, 2, hf_dir, dict(ep=2), tokens)
-    reference = transformers_logp(hf_dir, tokens)
-    for r in ours:
+def test_unnormalised_topk_and_all_moe_layers_match_transformers(layout_runs,
+                                                                  unnormalised_checkpoint, tokens):
+    """norm_topk_prob=False (Megatron's pre-softmax router) with no leading dense layer, EP=2."""
+    reference = transformers_logp(unnormalised_checkpoint, tokens)
+    for r in layout_runs["unnormalised"]["model"]:
         assert (r["logp"].double() - reference).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["single", "tp2_sp", "pp2"])
-def test_packed_sequences_match_separate_sequences(tiny_hf_checkpoint, name):
-    from tests.distributed import run_ranks
-    from tests.model_workers import packed_vs_padded_job
-
-    g = torch.Generator().manual_seed(3)
-    sequences = [torch.randint(0, 128, (n,), generator=g) for n in (7, 10, 2, 6)]
-    world, kwargs = LAYOUTS[name]
-    for r in run_ranks(packed_vs_padded_job, world, tiny_hf_checkpoint, kwargs, sequences):
+@pytest.mark.parametrize("name", PACKED_LAYOUTS)
+def test_packed_sequences_match_separate_sequences(layout_runs, name):
+    for r in layout_runs[name]["packed"]:
         if r is not None:
             packed, separate = r
             assert packed.shape == separate.shape == (21,)

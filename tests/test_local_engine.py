@@ -2,14 +2,14 @@
 
 import pytest
 
-from tests.distributed import run_ranks
+from tests.distributed import run_layouts
 from tests.engine_workers import (big_batch_job, cache_vs_recompute_job, engine_vs_trainer_job,
                                   stop_job)
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [1]]
 
 
-@pytest.mark.parametrize("world,layout,params", [
+CASES = [
     (1, {}, dict(max_new_tokens=6, temperature=1.0, seed=0)),
     (1, {}, dict(max_new_tokens=5, temperature=0.7, top_k=10, top_p=0.9, seed=1)),
     (1, {}, dict(max_new_tokens=5, temperature=0.0)),
@@ -17,16 +17,40 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [1]]
     (2, dict(tp=2, sequence_parallel=True), dict(max_new_tokens=5, temperature=1.0, seed=3)),
     (4, dict(tp=2, ep=2, sequence_parallel=True), dict(max_new_tokens=4, temperature=0.0)),
     (2, dict(pp=2), dict(max_new_tokens=5, temperature=1.0, seed=4)),
-])
-def test_engine_logprobs_and_routes_equal_the_trainers(world, layout, params):
-    for r in run_ranks(engine_vs_trainer_job, world, layout, PROMPTS, params):
+]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Every engine job, one spawn per world size: {"layouts": per case, per rank results,
+    "stop", "cache", "big_batch"}."""
+    out = {"layouts": [None] * len(CASES)}
+    for world in sorted({w for w, _, _ in CASES}):
+        index = [i for i, (w, _, _) in enumerate(CASES) if w == world]
+        cases = [(engine_vs_trainer_job, (CASES[i][1], PROMPTS, CASES[i][2])) for i in index]
+        extra = ["stop", "cache", "big_batch"] if world == 1 else []
+        cases += [(stop_job, (PROMPTS,)), (cache_vs_recompute_job, (PROMPTS, 8)),
+                  (big_batch_job, (64, 6))][:len(extra)]
+        results = run_layouts(world, cases)
+        for i, per_rank in zip(index, results):
+            out["layouts"][i] = per_rank
+        for key, per_rank in zip(extra, results[len(index):]):
+            out[key] = per_rank[0]
+    return out
+
+
+@pytest.mark.parametrize("case", range(len(CASES)),
+                         ids=[f"world{w}-{'-'.join(map(str, layout.values())) or 'single'}"
+                              for w, layout, _ in CASES])
+def test_engine_logprobs_and_routes_equal_the_trainers(runs, case):
+    for r in runs["layouts"][case]:
         assert r["worst_logp"] <= 1e-5
         assert r["routes_equal"]
         assert r["all_logp_nonpositive"]
 
 
-def test_stop_tokens_end_responses():
-    free, stopped, reasons, stop_id = run_ranks(stop_job, 1, PROMPTS)[0]
+def test_stop_tokens_end_responses(runs):
+    free, stopped, reasons, stop_id = runs["stop"]
     for f, s, reason in zip(free, stopped, reasons):
         if stop_id in f:
             cut = f.index(stop_id) + 1
@@ -36,13 +60,13 @@ def test_stop_tokens_end_responses():
     assert reasons[0] == "stop" and len(stopped[0]) <= 3
 
 
-def test_kv_cache_generation_equals_recomputation():
-    cached, recomputed = run_ranks(cache_vs_recompute_job, 1, PROMPTS, 8)[0]
+def test_kv_cache_generation_equals_recomputation(runs):
+    cached, recomputed = runs["cache"]
     assert cached == recomputed
 
 
-def test_batch_of_64_prompts_is_seeded_and_ordered():
-    first, again, index = run_ranks(big_batch_job, 1, 64, 6)[0]
+def test_batch_of_64_prompts_is_seeded_and_ordered(runs):
+    first, again, index = runs["big_batch"]
     assert len(first) == 64 and all(len(r) == 6 for r in first)
     assert first == again
     assert index == list(range(64))

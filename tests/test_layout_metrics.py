@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tests.distributed import run_ranks
+from tests.distributed import run_layouts
 from tests.trainer_workers import SHORT, merge, train_job
 
 # Enough warm-up that some sampled responses are right: a step with real advantages.
@@ -33,14 +33,20 @@ def close(a, b, rel=1e-4, abs_=1e-6) -> bool:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """The fresh run and its 1-rank resume in one process, the five 2-rank layouts in another."""
     base = str(tmp_path_factory.mktemp("fresh"))
-    out = {"fresh": run_ranks(train_job, 1, merge(LEARNABLE, {"run_dir": base}))[0]["rows"]}
     start = f"{base}/checkpoints/step_000000"
-    for name, (world, parallel) in {"single": (1, {}), **LAYOUTS}.items():
-        run_dir = str(tmp_path_factory.mktemp(name))
-        cfg = merge(LEARNABLE, {"run_dir": run_dir, "parallel": parallel,
-                                "trainer": {"resume": start}})
-        out[name] = run_ranks(train_job, world, cfg)[0]["rows"]
+
+    def resumed(parallel):
+        return merge(LEARNABLE, {"run_dir": str(tmp_path_factory.mktemp("resumed")),
+                                 "parallel": parallel, "trainer": {"resume": start}})
+
+    fresh, single = run_layouts(1, [(train_job, (merge(LEARNABLE, {"run_dir": base}),)),
+                                    (train_job, (resumed({}),))])
+    out = {"fresh": fresh[0]["rows"], "single": single[0]["rows"]}
+    layouts = run_layouts(2, [(train_job, (resumed(parallel),)) for _, parallel in LAYOUTS.values()])
+    for name, per_rank in zip(LAYOUTS, layouts):
+        out[name] = per_rank[0]["rows"]
     return out
 
 

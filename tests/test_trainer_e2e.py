@@ -7,7 +7,7 @@ import os
 import pytest
 
 from megatron_gspo.metrics import __doc__ as METRICS_DOC
-from tests.distributed import run_ranks
+from tests.distributed import run_layouts, run_ranks
 from tests.trainer_workers import SHORT, merge, train_job
 
 ARMS = {
@@ -37,16 +37,24 @@ def tensorboard_tags(run_dir):
     return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+EP_CHECK = merge(SHORT, {"trainer": {"steps": 2, "save_interval": 0}, "seed": 11})
+
+
 @pytest.fixture(scope="module")
 def arms(tmp_path_factory):
-    out = {}
+    """Every arm, and the 1-rank half of the EP=2 comparison, in one process."""
+    cases, dirs = [], {}
     for name, over in ARMS.items():
-        run_dir = str(tmp_path_factory.mktemp(name))
+        dirs[name] = str(tmp_path_factory.mktemp(name))
         # The router aux loss moves the policy even on a step whose rewards are all equal, so
         # that every later mini-batch is measurably off-policy (and it runs in every arm).
         cfg = merge(merge(SHORT, {"algo": {"aux_loss_coeff": 1e-3}}),
-                    {**over, "run_dir": run_dir, "seed": 5})
-        out[name] = (run_dir, run_ranks(train_job, 1, cfg)[0])
+                    {**over, "run_dir": dirs[name], "seed": 5})
+        cases.append((train_job, (cfg,)))
+    cases.append((train_job, ({**EP_CHECK, "run_dir": str(tmp_path_factory.mktemp("one"))},)))
+    results = run_layouts(1, cases)
+    out = {name: (dirs[name], per_rank[0]) for name, per_rank in zip(ARMS, results)}
+    out["ep_check_one_rank"] = (None, results[-1][0])
     return out
 
 
@@ -91,12 +99,11 @@ def test_reference_model_gives_the_kl_term(arms):
     assert os.path.isfile(os.path.join(run_dir, "reference", "model_config.json"))
 
 
-def test_expert_parallel_run_matches_one_rank(tmp_path):
+def test_expert_parallel_run_matches_one_rank(arms, tmp_path):
     """`torchrun --nproc-per-node 2 ... parallel.ep=2` computes the same run as one rank."""
-    cfg = merge(SHORT, {"trainer": {"steps": 2, "save_interval": 0}, "seed": 11})
-    one = run_ranks(train_job, 1, {**cfg, "run_dir": str(tmp_path / "one")})[0]
-    two = run_ranks(train_job, 2, merge(cfg, {"parallel": {"ep": 2},
-                                              "run_dir": str(tmp_path / "two")}))[0]
+    one = arms["ep_check_one_rank"][1]
+    two = run_ranks(train_job, 2, merge(EP_CHECK, {"parallel": {"ep": 2},
+                                                   "run_dir": str(tmp_path / "two")}))[0]
     rows1 = [r for r in one["rows"] if "train/loss" in r]
     rows2 = [r for r in two["rows"] if "train/loss" in r]
     assert len(rows1) == len(rows2) == 2

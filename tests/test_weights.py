@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.distributed import run_ranks
+from tests.distributed import run_layouts, run_ranks
 from tests.model_workers import load_weights_job, save_random_weights_job
 
 MODEL = dict(vocab_size=64, hidden_size=64, num_layers=2, num_attention_heads=4,
@@ -21,12 +21,26 @@ def saved(tmp_path_factory):
     return path, tokens, logp
 
 
-@pytest.mark.parametrize("world,layout", [
-    (1, {}), (2, dict(tp=2, sequence_parallel=True)), (2, dict(ep=2)),
-])
-def test_checkpoint_from_pp2_ep2_loads_into_other_layouts(saved, world, layout):
-    path, tokens, reference = saved
-    per_rank = run_ranks(load_weights_job, world, layout, tokens, path)
+LOADERS = [(1, {}), (2, dict(tp=2, sequence_parallel=True)), (2, dict(ep=2))]
+
+
+@pytest.fixture(scope="module")
+def loaded(saved):
+    """Per loading layout, the per-rank log-probs (the 2-rank layouts in one spawn)."""
+    path, tokens, _ = saved
+    out = {}
+    for world in (1, 2):
+        layouts = [layout for w, layout in LOADERS if w == world]
+        results = run_layouts(world, [(load_weights_job, (layout, tokens, path))
+                                      for layout in layouts])
+        out.update({(world, str(layout)): r for layout, r in zip(layouts, results)})
+    return out
+
+
+@pytest.mark.parametrize("world,layout", LOADERS)
+def test_checkpoint_from_pp2_ep2_loads_into_other_layouts(saved, loaded, world, layout):
+    _, _, reference = saved
+    per_rank = loaded[(world, str(layout))]
     for logp in (r for r in per_rank if r is not None):
         assert (logp - reference).abs().max().item() <= 1e-5
 

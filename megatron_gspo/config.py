@@ -358,6 +358,7 @@ class TrainerConfig:
     adam_beta2: float = 0.999
     clip_grad: float = 1.0
     init_from: str = ""  # starting weights: a HF Qwen3-MoE directory or a weights checkpoint
+    export_hf_at_end: bool = False  # write RUN_DIR/hf (a Hugging Face directory) after the last step
     sft_steps: int = 0  # supervised warm-up on the task's answers before RL (at most)
     sft_target_accuracy: float = 1.0  # stop the warm-up once a batch's accuracy reaches this
     sft_batch_size: int = 32

@@ -504,12 +504,54 @@ def _gather_bucket(bucket: list, params: dict, m: ModelConfig, ctx: ParallelCont
     return out
 
 
+class ShardWriter:
+    """A HF checkpoint written one bucket (one safetensors shard) at a time, then its index (shards
+    renamed ``model-0000i-of-0000N.safetensors``) and config.json: the host holds one bucket at a
+    time. The same buckets give byte-identical files."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir, self.weight_map, self.total, self.shards = out_dir, {}, 0, 0
+        os.makedirs(out_dir, exist_ok=True)
+        for f in os.listdir(out_dir):  # shards of an earlier write
+            if f.endswith(".safetensors") or f == "model.safetensors.index.json":
+                os.remove(os.path.join(out_dir, f))
+
+    def write(self, bucket) -> None:
+        from safetensors.torch import save_file
+
+        self.shards += 1
+        fname = f"part-{self.shards:05d}.safetensors"
+        tensors = {n: t.detach().to("cpu").contiguous() for n, t in bucket}
+        save_file(tensors, os.path.join(self.out_dir, fname), metadata={"format": "pt"})
+        self.weight_map.update({n: fname for n in tensors})
+        self.total += sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def close(self, config: dict) -> None:
+        names = {}
+        for i in range(1, self.shards + 1):
+            names[f"part-{i:05d}.safetensors"] = f"model-{i:05d}-of-{self.shards:05d}.safetensors"
+            os.replace(os.path.join(self.out_dir, f"part-{i:05d}.safetensors"),
+                       os.path.join(self.out_dir, names[f"part-{i:05d}.safetensors"]))
+        weight_map = {n: names[f] for n, f in self.weight_map.items()}
+        with open(os.path.join(self.out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": self.total}, "weight_map": weight_map}, f,
+                      indent=2)
+        with open(os.path.join(self.out_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+
+
 def export_hf(gpt, m: ModelConfig, ctx: ParallelContext, out_dir: str,
-              hf_config: Optional[dict] = None) -> None:
-    """All ranks call; rank 0 writes a HF checkpoint of the whole model to ``out_dir``."""
-    state = gather_hf_state(gpt, m, ctx)
-    if state is not None:
-        write_hf_checkpoint(state, hf_config or hf_config_from_model(m), out_dir)
+              hf_config: Optional[dict] = None, *, bucket_bytes: int = 1 << 30) -> None:
+    """All ranks call; rank 0 writes a HF checkpoint of the whole model to ``out_dir``, one
+    safetensors shard per bucket of about ``bucket_bytes`` (``iter_hf_buckets``: the memory of
+    rank 0 stays near two buckets), with an index and config.json."""
+    writer = ShardWriter(out_dir) if ctx.rank == 0 else None
+    for bucket in iter_hf_buckets(gpt, m, ctx, bucket_bytes):
+        if writer is not None:
+            writer.write(bucket)
+        del bucket
+    if writer is not None:
+        writer.close(hf_config or hf_config_from_model(m))
     dist.barrier()
 
 

@@ -34,6 +34,7 @@ from megatron_gspo.data.prompts import PromptDataset, PromptRecord, read_prompt_
 from megatron_gspo.data.synthetic import make_task
 from megatron_gspo.data.tokenizer import Tokenizer, load_tokenizer
 from megatron_gspo.drift_probe import DriftProbe
+from megatron_gspo.evaluation import evaluate_records, score_samples
 from megatron_gspo.faults import REQUEUE_MARKER, NonFiniteGuard, StopRequested, StopSignals
 from megatron_gspo.hf_qwen3moe import SeededTensors, load_hf_weights
 from megatron_gspo.metrics import RunLogger
@@ -42,13 +43,14 @@ from megatron_gspo.optim import (OptimConfig, build_optimizer, build_scheduler, 
 from megatron_gspo.parallel import ParallelContext, init_parallel
 from megatron_gspo.policy import (attach_ref, logprob_pass, normalizer_for, policy_update,
                                   sft_micro_batches, sft_update)
+from megatron_gspo.policy_io import export_hf_dir, hf_config_at
 from megatron_gspo.rewards import RewardInput, RewardResult, get_reward
 from megatron_gspo.rl_batch import (RolloutBatch, build_batch, engine_route_targets, micro_batches,
                                     minibatch_rows, round_up, row_width, update_order,
                                     width_multiple)
 from megatron_gspo.rollout.local_engine import LocalEngine
 from megatron_gspo.rollout.sglang_engine import SGLangEngine, init_weights_update_group
-from megatron_gspo.rollout.share import share_samples, share_values
+from megatron_gspo.rollout.share import share_samples
 from megatron_gspo.rollout.types import SamplingParams
 from megatron_gspo.weights import load_weights, save_weights
 from moe.instrument import local_layers_of
@@ -124,6 +126,8 @@ def train(job: JobConfig) -> dict:
         run.history["accuracy_after_rl"] = evaluate(run)
         run.logger.log(job.trainer.steps, {"eval/accuracy": run.history["accuracy_after_rl"]},
                        {"final": True})
+        if job.trainer.export_hf_at_end:
+            export_policy(run)
         report(run)
         return run.history
     finally:
@@ -185,16 +189,8 @@ def generate(run: Run, ids, samples_per_prompt: int, params: SamplingParams, *,
 
 def score(run: Run, records, samples) -> torch.Tensor:
     """Rewards, scored once per replica (by its leader) and broadcast to its other ranks."""
-    ctx = run.ctx
-    out = None
-    if ctx.is_replica_leader:
-        out = []
-        for rec, s in zip(records, samples):
-            text = run.tokenizer.decode(s.response_ids)
-            out.append(run.reward_fn(RewardInput(response=text, answer=rec.answer,
-                                                 tests=rec.tests, meta=rec.metadata or {})).score)
-        out = torch.tensor(out, dtype=torch.float32)
-    return share_values(out, len(samples), group=ctx.replica_group, device=ctx.device)
+    return score_samples(records, samples, decode=run.tokenizer.decode, reward_fn=run.reward_fn,
+                         ctx=run.ctx)
 
 
 def make_batch(run: Run, samples, rewards) -> RolloutBatch:
@@ -294,28 +290,13 @@ def sync_weights(run: Run) -> None:
 
 def evaluate(run: Run) -> float:
     """Held-out accuracy: greedy responses to the eval prompts, mean reward (split over DP)."""
-    ctx, recs = run.ctx, run.eval_records
-    if not recs:
-        return float("nan")
-    per_rank = -(-len(recs) // ctx.dp)
-    mine = recs[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
-    real = len(mine)
-    mine = mine + [recs[0]] * (per_rank - real)  # equal rows on every rank (lockstep decoding)
     params = SamplingParams(max_new_tokens=run.job.rollout.max_new_tokens, temperature=0.0,
                             stop_token_ids=(run.tokenizer.eos_id,))
-    right, count = 0.0, 0.0
-    chunk = 64
-    for i in range(0, len(mine), chunk):
-        part = mine[i:i + chunk]
-        ids = [run.tokenizer.render_prompt(p.prompt, p.messages) for p in part]
-        correct = score(run, part, generate(run, ids, 1, params))[:max(0, real - i)]
-        right += float(correct.sum())
-        count += len(correct)
-    # Every rank of a replica holds the same scores: count them once, on the leader.
-    lead = ctx.is_replica_leader
-    right, count = comm.reduce_values([right if lead else 0.0, count if lead else 0.0],
-                                      device=ctx.device)
-    return right / count
+    return evaluate_records(
+        run.eval_records, ctx=run.ctx, params=params,
+        generate=lambda ids, n, p, first_row: generate(run, ids, n, p, first_row=first_row),
+        score=lambda recs, samples: score(run, recs, samples),
+        render=lambda p: run.tokenizer.render_prompt(p.prompt, p.messages)).accuracy
 
 
 def step_metrics(run: Run, step, batch, samples, results, drift, timers, seconds) -> dict:
@@ -585,6 +566,17 @@ def resume(run: Run) -> bool:
     _clear_requeue_marker(run)
     run.logger.say(f"resumed from {path} (step {run.step}, {run.updates} updates)")
     return True
+
+
+def export_policy(run: Run) -> str:
+    """The trained policy as a Hugging Face directory, ``RUN_DIR/hf`` (bucket by bucket)."""
+    job = run.job
+    out = os.path.join(job.run_dir, "hf")
+    export_hf_dir(run.gpt, job.model, run.ctx, out, hf_config=hf_config_at(job.trainer.init_from),
+                  tokenizer=job.data.tokenizer,
+                  bucket_bytes=int(job.rollout.weight_sync_bucket_mb * 2**20))
+    run.logger.say(f"exported the policy to {out}")
+    return out
 
 
 def stop_for_requeue(run: Run, signame: str, path: str) -> None:

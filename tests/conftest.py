@@ -15,6 +15,14 @@ TINY_HF_CONFIG = dict(
 )
 
 
+def load_hf_tensors(path) -> dict:
+    """Every tensor of a HF checkpoint directory (one file or sharded with an index)."""
+    from megatron_gspo.hf_qwen3moe import HFCheckpoint
+
+    ckpt = HFCheckpoint(str(path))
+    return {name: ckpt.get(name) for name in ckpt.weight_map}
+
+
 @pytest.fixture
 def dist_run():
     """Run a function on N real gloo ranks: ``dist_run(fn, world_size, *args)``."""

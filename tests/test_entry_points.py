@@ -8,6 +8,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import load_hf_tensors
 from tests.trainer_workers import SHORT, merge, to_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,7 +79,7 @@ def test_convert_hf_round_trip_through_dist_checkpoint(tiny_hf_checkpoint, tmp_p
     out = run("export", str(ckpt), str(back), module="tools.convert_hf")
     assert out.returncode == 0, out.stderr[-3000:]
     original = load_file(os.path.join(tiny_hf_checkpoint, "model.safetensors"))
-    exported = load_file(os.path.join(back, "model.safetensors"))
+    exported = load_hf_tensors(back)
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import LAYOUTS, PACKED_LAYOUTS
+from tests.conftest import LAYOUTS, PACKED_LAYOUTS, load_hf_tensors
 
 @pytest.fixture(scope="module")
 def tokens(layout_tokens):
@@ -71,7 +71,7 @@ def test_logprobs_match_transformers(layout_results, hf_logp, name):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_hf_round_trip_is_bitwise(layout_results, tiny_hf_checkpoint, name):
     original = load_file(os.path.join(tiny_hf_checkpoint, "model.safetensors"))
-    exported = load_file(os.path.join(layout_results[name]["export"], "model.safetensors"))
+    exported = load_hf_tensors(layout_results[name]["export"])
     assert sorted(exported) == sorted(original)
     for key, tensor in original.items():
         assert exported[key].dtype == tensor.dtype, key

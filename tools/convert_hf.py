@@ -1,11 +1,14 @@
 """Convert Hugging Face Qwen3-MoE checkpoints to and from layout-independent Megatron weights.
 
     python -m tools.convert_hf import HF_DIR OUT_DIR          # HF -> Megatron dist checkpoint
-    python -m tools.convert_hf export CKPT_DIR OUT_HF_DIR     # Megatron dist checkpoint -> HF
+    python -m tools.convert_hf export CKPT OUT_HF_DIR         # a checkpoint -> HF
 
-Runs as one process, or under torchrun with a layout (``--tp 2 --ep 2 --sequence-parallel``) to
-convert without holding the whole model in one process. The Megatron checkpoint loads into any
-layout; the HF config is kept beside it so that export writes the original config.json back.
+``CKPT`` is a training checkpoint (``RUN_DIR/checkpoints/step_N``, or ``RUN_DIR`` for its newest
+complete one) or a weights checkpoint, saved from any layout. Runs as one process, or under
+torchrun with a layout (``--tp 2 --ep 2 --sequence-parallel``) to convert without holding the
+whole model in one process. Export writes sharded safetensors with an index, config.json (the HF
+config the weights came from when known, else one made from the model) and, when the run used a
+HF tokenizer directory, its tokenizer files.
 """
 
 from __future__ import annotations
@@ -15,9 +18,6 @@ import json
 import os
 import sys
 import warnings
-
-HF_CONFIG_FILE = "hf_config.json"
-
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tools.convert_hf", description=__doc__.split("\n")[0])
@@ -37,12 +37,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    from megatron_gspo.checkpoint import CheckpointError
     from megatron_gspo.config import ConfigError, ParallelConfig
-    from megatron_gspo.hf_qwen3moe import (HFCheckpoint, HFCheckpointError, export_hf,
-                                           load_hf_weights, model_config_from_hf)
+    from megatron_gspo.hf_qwen3moe import (HFCheckpoint, HFCheckpointError, load_hf_weights,
+                                           model_config_from_hf)
     from megatron_gspo.model import build_model
     from megatron_gspo.parallel import destroy_parallel, init_parallel
-    from megatron_gspo.weights import load_weights, read_model_config, save_weights
+    from megatron_gspo.policy_io import HF_CONFIG_FILE, export_hf_dir, load_source, open_source
+    from megatron_gspo.weights import save_weights
 
     layout = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                             sequence_parallel=args.sequence_parallel)
@@ -51,9 +53,10 @@ def main(argv=None) -> int:
             hf_config = HFCheckpoint(args.hf_dir).config
             model = model_config_from_hf(hf_config, name=os.path.basename(args.hf_dir.rstrip("/")))
         else:
-            model = read_model_config(args.ckpt_dir)
-            cfg_path = os.path.join(args.ckpt_dir, HF_CONFIG_FILE)
-            hf_config = json.load(open(cfg_path)) if os.path.isfile(cfg_path) else None
+            src = open_source(args.ckpt_dir)
+            if src.kind == "hf":
+                raise CheckpointError(f"{args.ckpt_dir}: already a Hugging Face directory")
+            model = src.model
         ctx = init_parallel(layout, model, seed=0)
         gpt = build_model(model, ctx)
         if args.command == "import":
@@ -64,11 +67,12 @@ def main(argv=None) -> int:
                     json.dump(hf_config, f, indent=2)
                 print(f"imported {args.hf_dir} ({count} tensors on rank 0) -> {args.out_dir}")
         else:
-            load_weights(gpt, args.ckpt_dir)
-            export_hf(gpt, model, ctx, args.out_dir, hf_config=hf_config)
+            load_source(gpt, src, ctx)
+            export_hf_dir(gpt, model, ctx, args.out_dir, hf_config=src.hf_config,
+                          tokenizer=src.tokenizer)
             if ctx.rank == 0:
-                print(f"exported {args.ckpt_dir} -> {args.out_dir}")
-    except (ConfigError, HFCheckpointError, FileNotFoundError, KeyError) as e:
+                print(f"exported {src.describe()} -> {args.out_dir}")
+    except (ConfigError, HFCheckpointError, CheckpointError, FileNotFoundError, KeyError) as e:
         print(f"convert_hf: {e}", file=sys.stderr)
         return 2
     finally:

@@ -19,7 +19,6 @@ import contextlib
 import functools
 import io
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -380,7 +379,7 @@ class SGLangEngine:
         ``group`` from ``init_weights_update_group``), ``"tensor"`` (colocated servers) or
         ``"disk"`` (a checkpoint in ``disk_dir``, one shard per bucket, that the servers must be
         able to read; for debugging). Rank 0 returns what was sent, the others None."""
-        from megatron_gspo.hf_qwen3moe import hf_config_from_model, iter_hf_buckets
+        from megatron_gspo.hf_qwen3moe import ShardWriter, hf_config_from_model, iter_hf_buckets
 
         if mode not in ("disk", "distributed", "tensor"):
             raise ValueError(f"weight sync mode {mode!r}; valid: disk, distributed, tensor")
@@ -458,33 +457,6 @@ def serialize_named_tensors(named_tensors: Sequence[tuple]) -> str:
     buf = io.BytesIO()
     torch.save(named, buf)
     return base64.b64encode(buf.getvalue()).decode()
-
-
-class ShardWriter:
-    """A HF checkpoint written one bucket (one safetensors shard) at a time, then its index and
-    config.json; the host holds one bucket at a time."""
-
-    def __init__(self, out_dir: str):
-        self.out_dir, self.weight_map, self.total = out_dir, {}, 0
-        os.makedirs(out_dir, exist_ok=True)
-        for f in os.listdir(out_dir):  # shards of an earlier sync
-            if f.endswith(".safetensors") or f == "model.safetensors.index.json":
-                os.remove(os.path.join(out_dir, f))
-
-    def write(self, bucket: Sequence[tuple]) -> None:
-        from safetensors.torch import save_file
-
-        fname = f"model-{len(set(self.weight_map.values())) + 1:05d}.safetensors"
-        tensors = {n: t.detach().to("cpu").contiguous() for n, t in bucket}
-        save_file(tensors, os.path.join(self.out_dir, fname), metadata={"format": "pt"})
-        self.weight_map.update({n: fname for n in tensors})
-        self.total += sum(t.numel() * t.element_size() for t in tensors.values())
-
-    def close(self, config: dict) -> None:
-        with open(os.path.join(self.out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": self.total}, "weight_map": self.weight_map}, f)
-        with open(os.path.join(self.out_dir, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
 
 
 def init_weights_update_group(engine: SGLangEngine, *, master_address: str, master_port: int,

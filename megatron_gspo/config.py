@@ -199,9 +199,30 @@ class AlgoConfig:
     aux_loss_coeff: float = 0.0  # load-balancing loss (Switch-style, per micro-batch)
     z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
     old_logprobs: str = "recompute"  # recompute (trainer's pass on the old policy) | engine
+    # Rollout correction for the engine/trainer mismatch (megatron_gspo.correction): none |
+    # token_tis | seq_tis (weights min(ratio, cap)) | seq_mis (sequences outside [low, high]
+    # dropped); gspo takes the sequence modes only.
+    rollout_correction: str = "none"
+    rollout_correction_cap: float = 2.0
+    rollout_correction_low: float = 0.5
+    rollout_correction_high: float = 2.0
 
     def validate(self) -> "AlgoConfig":
+        from megatron_gspo.correction import MODES, SEQUENCE_MODES
         from megatron_gspo.losses import validate_options
+
+        if self.rollout_correction not in MODES:
+            raise _err("algo.rollout_correction", self.rollout_correction, "is unknown",
+                       f"use one of {', '.join(MODES)}")
+        if self.name == "gspo" and self.rollout_correction not in SEQUENCE_MODES:
+            raise _err("algo.rollout_correction", self.rollout_correction,
+                       "weighs each token; gspo weighs whole sequences",
+                       f"use one of {', '.join(SEQUENCE_MODES)} with gspo")
+        if not (0 < self.rollout_correction_low <= 1 <= self.rollout_correction_high
+                and self.rollout_correction_cap >= 1):
+            raise _err("algo.rollout_correction_low", self.rollout_correction_low,
+                       "needs 0 < low <= 1 <= high and cap >= 1",
+                       "e.g. low 0.5, high 2.0, cap 2.0")
 
         if self.name not in ALGOS:
             raise _err("algo.name", self.name, "is unknown", f"use one of {', '.join(ALGOS)}")

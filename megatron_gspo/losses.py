@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron_gspo.correction import weighted_advantages
 from megatron_gspo.seqshard import SequenceReducer, TokenShard, sequence_sums
 
 # Paper defaults (GSPO, arXiv 2507.18071): GSPO clips at (3e-4, 4e-4), the GRPO baseline at (0.2, 0.27).
@@ -309,11 +310,14 @@ def combine_metrics(algo: str, parts: list[dict]) -> dict:
 
 def policy_loss(algo: str, logprobs, old_logprobs, advantages, mask, *, clip_low=None,
                 clip_high=None, ref_logprobs=None, entropy=None,
-                reducer: Optional[SequenceReducer] = None, **options):
+                reducer: Optional[SequenceReducer] = None, weights=None, **options):
     """Loss for a padded batch: logprobs, old_logprobs, mask [B, T] (mask 1 on response tokens),
     advantages [B] (or [B, T] for gspo_token / grpo). Under context parallelism T is this rank's
-    share of every row and ``reducer`` completes the rows' sums over the group. Returns
-    ``(loss, metrics)``."""
+    share of every row and ``reducer`` completes the rows' sums over the group. ``weights`` [B, T]
+    (``correction.rollout_weights``) multiply the per-token policy terms (gspo_token, grpo) or
+    each sequence's term (gspo: one weight per sequence). Returns ``(loss, metrics)``."""
+    if weights is not None:
+        advantages = weighted_advantages(algo, advantages, weights, mask)
     shard = TokenShard.from_dense(logprobs, old_logprobs, advantages, mask, ref_logp_BT=ref_logprobs,
                                   entropy_BT=entropy)
     return shard_policy_loss(algo, shard, reducer=reducer, clip_low=clip_low, clip_high=clip_high,

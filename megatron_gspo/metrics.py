@@ -7,6 +7,9 @@ TensorBoard tags written every RL step (``moe/`` tags: see ``moe.instrument``):
   ``train/ratio_max``, ``train/entropy``, ``train/kl``: averages over the step's mini-batches
 - ``train/policy_loss``, ``train/aux_loss``: the two parts of ``train/loss`` (the policy objective;
   the MoE routers' load-balancing and z-losses times their coefficients)
+- ``train/rollout_correction/mean_weight``, ``train/rollout_correction/masked_fraction`` (with
+  ``algo.rollout_correction``: the mean importance weight over response tokens, the fraction of
+  sequences weighted 0)
 - ``train/grad_norm`` (mean over the step's updates), ``train/lr``, ``train/skipped_updates``
   (total non-finite updates skipped so far)
 - ``rollout/reward_mean``, ``rollout/reward_std``, ``rollout/response_length``,

@@ -30,6 +30,7 @@ from megatron_gspo import comm, cpu_backend, router_losses
 from megatron_gspo.advantages import group_advantages, informative_groups
 from megatron_gspo.checkpoint import CheckpointError, CheckpointManager
 from megatron_gspo.config import JobConfig, job_to_dict
+from megatron_gspo.correction import rollout_weights, weighted_advantages
 from megatron_gspo.data.prompts import PromptDataset, PromptRecord, read_prompt_file
 from megatron_gspo.data.synthetic import make_task
 from megatron_gspo.data.tokenizer import Tokenizer, load_tokenizer
@@ -147,11 +148,12 @@ def rl_step(run: Run, step: int) -> dict:
     with timers("old_logprobs"):
         routes = old_logprobs(run, batch)
     with timers("update"):
+        correction = correct_for_the_engine(run, batch)
         results, drift = update(run, batch, routes)
     with timers("weight_sync"):
         sync_weights(run)
     run.step = step
-    return step_metrics(run, step, batch, samples, results, drift, timers,
+    return step_metrics(run, step, batch, samples, results, {**drift, **correction}, timers,
                         time.perf_counter() - t0)
 
 
@@ -239,6 +241,27 @@ def _unorder(values_BS: torch.Tensor, rows: list) -> torch.Tensor:
     out = torch.empty_like(values_BS)
     out[torch.tensor(rows)] = values_BS
     return out
+
+
+def correct_for_the_engine(run: Run, batch) -> dict:
+    """Rollout correction (``algo.rollout_correction``): importance weights of the old policy
+    over the engine's sampling, carried by the advantages; returns the step's metrics of it."""
+    a, ctx = run.job.algo, run.ctx
+    if a.rollout_correction == "none":
+        return {}
+    weights, m = rollout_weights(batch.old_logp_BS.double(), batch.engine_logp_BS.double(),
+                                 batch.mask_BS, mode=a.rollout_correction,
+                                 cap=a.rollout_correction_cap, low=a.rollout_correction_low,
+                                 high=a.rollout_correction_high)
+    batch.advantages_B = weighted_advantages(a.name, batch.advantages_B.double(), weights,
+                                             batch.mask_BS).float()
+    tokens = float(batch.mask_BS.sum())
+    seqs = float((batch.mask_BS.sum(-1) > 0).sum())
+    weight_sum, token_sum, masked, seq_sum = comm.reduce_values(
+        [m["mean_weight"] * tokens, tokens, m["masked_fraction"] * seqs, seqs],
+        device=ctx.device, group=ctx.dp_group)
+    return {"train/rollout_correction/mean_weight": weight_sum / max(token_sum, 1.0),
+            "train/rollout_correction/masked_fraction": masked / max(seq_sum, 1.0)}
 
 
 def update(run: Run, batch, routes):

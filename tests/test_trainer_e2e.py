@@ -17,6 +17,7 @@ ARMS = {
     "grpo_r2": {"algo": {"name": "grpo"}, "replay": {"mode": "r2"}},
     "grpo_r3": {"algo": {"name": "grpo"}, "replay": {"mode": "r3"}},
     "gspo_kl": {"algo": {"name": "gspo", "kl_coef": 0.05}},  # frozen reference model
+    "grpo_tis": {"algo": {"name": "grpo", "rollout_correction": "token_tis"}},
 }
 
 REQUIRED_TAGS = ["train/loss", "train/clip_fraction", "train/ratio_mean", "train/ratio_min",
@@ -113,3 +114,15 @@ def test_expert_parallel_run_matches_one_rank(arms, tmp_path):
         for key in ("train/loss", "train/ratio_mean", "train/entropy", "train/grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
     assert one["history"]["accuracy_after_rl"] == two["history"]["accuracy_after_rl"]
+
+
+def test_rollout_correction_weights_are_one_with_the_local_engine(arms):
+    """The local engine samples from the trainer's own model: importance weights 1 up to
+    rounding, nothing masked, the run trains as without correction."""
+    rows = [r for r in arms["grpo_tis"][1]["rows"] if "train/loss" in r]
+    assert len(rows) == 3
+    for r in rows:
+        assert abs(r["train/rollout_correction/mean_weight"] - 1.0) < 1e-4
+        assert r["train/rollout_correction/masked_fraction"] == 0.0
+    assert not any("train/rollout_correction/mean_weight" in r
+                   for r in arms["grpo"][1]["rows"])

@@ -1,0 +1,123 @@
+"""Rollout correction against the formulas written out here (fp64, 1e-12): the weights of every
+mode, with fully masked rows and length-1 responses, and the policy losses that apply them."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_gspo.correction import rollout_weights
+from megatron_gspo.losses import DEFAULT_CLIP, policy_loss
+from tests.test_losses import batch, value_and_grad
+
+D = torch.float64
+
+
+def ref_weights(old, engine, mask, mode, cap=2.0, low=0.5, high=2.0):
+    """Row by row, token by token."""
+    b, t = old.shape
+    w = torch.zeros(b, t, dtype=D)
+    for i in range(b):
+        idx = [j for j in range(t) if mask[i, j] > 0]
+        if not idx:
+            continue
+        seq = math.exp(sum(float(old[i, j] - engine[i, j]) for j in idx) / len(idx))
+        for j in idx:
+            if mode == "none":
+                w[i, j] = 1.0
+            elif mode == "token_tis":
+                w[i, j] = min(math.exp(float(old[i, j] - engine[i, j])), cap)
+            elif mode == "seq_tis":
+                w[i, j] = min(seq, cap)
+            else:
+                w[i, j] = 1.0 if low <= seq <= high else 0.0
+    return w
+
+
+def engine_of(old, seed=1, scale=0.8):
+    g = torch.Generator().manual_seed(seed)
+    return old + scale * torch.randn(old.shape, generator=g, dtype=D)
+
+
+@pytest.mark.parametrize("mode", ["none", "token_tis", "seq_tis", "seq_mis"])
+def test_weights_match_the_formulas(mode):
+    _, old, _, mask = batch(3, b=8, t=6, lengths=[6, 1, 0, 3, 6, 2, 1, 5])
+    engine = engine_of(old)
+    weights, metrics = rollout_weights(old, engine, mask, mode=mode, cap=2.0, low=0.6, high=1.5)
+    expected = ref_weights(old, engine, mask, mode, 2.0, 0.6, 1.5)
+    assert (weights - expected).abs().max().item() <= 1e-12
+    assert (weights[mask == 0] == 0).all() and not weights.requires_grad
+    assert metrics["mean_weight"].item() == pytest.approx(
+        float(expected[mask > 0].mean()), abs=1e-12)
+    rows = [i for i in range(8) if mask[i].sum() > 0]  # the fully masked row is no sequence
+    zero = sum(1 for i in rows if expected[i].sum() == 0)
+    assert metrics["masked_fraction"].item() == pytest.approx(zero / len(rows), abs=1e-12)
+
+
+def test_seq_mis_masks_exactly_the_sequences_outside_the_band():
+    _, old, _, mask = batch(5, b=6, t=5, lengths=[5, 5, 1, 4, 3, 5])
+    # An engine whose log-probs are off by a known amount per sequence: mean(old - engine) = c_i.
+    shift = torch.tensor([0.0, 0.9, -0.9, 0.3, -0.3, 1.2], dtype=D)
+    engine = old - shift[:, None]
+    weights, metrics = rollout_weights(old, engine, mask, mode="seq_mis", low=0.5, high=2.0)
+    inside = [0.5 <= math.exp(c) <= 2.0 for c in shift.tolist()]
+    assert inside == [True, False, False, True, True, False]  # e^0.9 = 2.46, e^-0.9 = 0.41
+    assert [bool(weights[i].sum() > 0) for i in range(6)] == inside
+    assert metrics["masked_fraction"].item() == pytest.approx(3 / 6, abs=1e-12)
+
+
+def test_local_engine_weights_are_one():
+    _, old, _, mask = batch(2)
+    for mode in ("token_tis", "seq_tis", "seq_mis"):
+        weights, metrics = rollout_weights(old, old.clone(), mask, mode=mode)
+        assert torch.equal(weights, mask) and metrics["masked_fraction"].item() == 0.0
+
+
+def ref_weighted_loss(algo, logp, old, adv, mask, w, el, eh):
+    """Token mean per sequence of the weighted per-token terms (grpo, gspo_token), or each
+    sequence's GSPO term times its weight; mean over sequences with response tokens."""
+    per_seq = []
+    for i in range(logp.shape[0]):
+        m = mask[i] > 0
+        n = int(m.sum())
+        if n == 0:
+            continue
+        lp, op, a, wt = logp[i][m], old[i][m], adv[i], w[i][m]
+        if algo == "gspo":
+            s = torch.exp((lp - op).sum() / n)
+            per_seq.append(-wt[0] * torch.minimum(s * a, torch.clamp(s, 1 - el, 1 + eh) * a))
+        elif algo == "gspo_token":
+            s = torch.exp((lp - op).sum() / n)
+            s_t = s.detach() * torch.exp(lp - lp.detach())
+            per_seq.append((-wt * torch.minimum(s_t * a, torch.clamp(s_t, 1 - el, 1 + eh) * a))
+                           .mean())
+        else:
+            r = torch.exp(lp - op)
+            per_seq.append((-wt * torch.minimum(r * a, torch.clamp(r, 1 - el, 1 + eh) * a)).mean())
+    return torch.stack(per_seq).mean()
+
+
+@pytest.mark.parametrize("algo,mode", [("gspo", "seq_tis"), ("gspo", "seq_mis"),
+                                       ("gspo_token", "token_tis"), ("gspo_token", "seq_tis"),
+                                       ("grpo", "token_tis"), ("grpo", "seq_mis")])
+def test_weighted_losses_match_the_formulas(algo, mode):
+    spread = 0.0003 if algo != "grpo" else 0.3
+    logp, old, adv, mask = batch(7, b=8, t=6, spread=spread, lengths=[6, 1, 0, 3, 6, 2, 1, 5])
+    weights, _ = rollout_weights(old, engine_of(old, scale=0.5), mask, mode=mode, low=0.7,
+                                 high=1.4)
+    el, eh = DEFAULT_CLIP[algo]
+    got, got_grad = value_and_grad(
+        lambda x: policy_loss(algo, x, old, adv, mask, weights=weights)[0], logp)
+    want, want_grad = value_and_grad(
+        lambda x: ref_weighted_loss(algo, x, old, adv, mask, weights, el, eh), logp)
+    assert abs(got.item() - want.item()) <= 1e-12
+    assert (got_grad - want_grad).abs().max().item() <= 1e-12
+
+
+def test_gspo_refuses_token_weights():
+    logp, old, adv, mask = batch(1)
+    weights, _ = rollout_weights(old, engine_of(old), mask, mode="token_tis")
+    with pytest.raises(ValueError, match="one per sequence .*none, seq_tis, seq_mis"):
+        policy_loss("gspo", logp, old, adv, mask, weights=weights)
+    with pytest.raises(ValueError, match="valid: none, token_tis, seq_tis, seq_mis"):
+        rollout_weights(old, old, mask, mode="tis")

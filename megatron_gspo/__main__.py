@@ -33,6 +33,8 @@ def check_group_choices(argv: list[str], conf_dir: str = CONF_DIR) -> None:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from megatron_gspo import faults, trainer
+    from megatron_gspo.data.prompts import PromptDataError
+    from megatron_gspo.data.tokenizer import TokenizerError
     from megatron_gspo.parallel import destroy_parallel
 
     # Megatron logs every parameter group at INFO and warns about each missing optional kernel.
@@ -44,6 +46,9 @@ def main(cfg: DictConfig) -> None:
         trainer.train(job)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        sys.exit(faults.CONFIG_EXIT_CODE)
+    except (PromptDataError, TokenizerError) as e:  # before any work: data and tokenizer first
+        print(f"data error: {e}", file=sys.stderr)
         sys.exit(faults.CONFIG_EXIT_CODE)
     except faults.StopRequested as e:
         print(f"stopped by {e.signame}: checkpoint {e.checkpoint}; exit {faults.REQUEUE_EXIT_CODE} "

@@ -387,12 +387,13 @@ def _local_layers(run: Run) -> list:
 
 
 def setup(job: JobConfig) -> Run:
+    # Data and tokenizer first: a bad file ends the job before any process group or model.
+    tokenizer = load_tokenizer(job.data.tokenizer)
+    train_data, eval_records = load_data(job)
     ctx = init_parallel(job.parallel, job.model, seed=job.seed)
     job.check_layout(ctx.dp)
     cpu_backend.activate(ctx.device)
     run_dir = os.path.abspath(job.run_dir)
-    tokenizer = load_tokenizer(job.data.tokenizer)
-    train_data, eval_records = load_data(job)
     m = job.model
     routes_needed = m.is_moe and (job.replay.mode != "none" or job.logging.drift)
     gpt = build_model(m, ctx, moe_enable_routing_replay=routes_needed)

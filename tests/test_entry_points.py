@@ -41,6 +41,21 @@ def test_invalid_layout_fails_with_one_line(tmp_path):
                      "launch a multiple of tp*pp*cp ranks or shrink the layout"]
 
 
+def test_bad_data_ends_the_job_before_any_work_with_one_line(tmp_path):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": 7, "answer": "3"}\n')
+    out = run("data=files", f"data.files=[{bad}]", f"hydra.run.dir={tmp_path / 'a'}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == f"data error: {bad}:2: field 'prompt': must be a string"
+    assert "Traceback" not in out.stderr
+    assert not os.path.exists(tmp_path / "a" / "checkpoints")
+    out = run("data=files", f"data.files=[{bad}]", f"data.tokenizer={tmp_path / 'no_tokenizer'}",
+              f"hydra.run.dir={tmp_path / 'b'}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        f"data error: cannot load a tokenizer from '{tmp_path / 'no_tokenizer'}': no such directory")
+
+
 SHORT_RUN = to_overrides(merge(SHORT, {"trainer": {"steps": 2}, "logging": {"progress": True}}))
 
 

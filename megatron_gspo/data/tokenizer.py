@@ -3,6 +3,7 @@ for the synthetic tasks (no download, fits the tiny model's vocabulary)."""
 
 from __future__ import annotations
 
+import os
 import string
 from typing import Optional, Protocol, Sequence
 
@@ -52,6 +53,10 @@ class CharTokenizer:
         return [self.bos_id] + self.encode(prompt)
 
 
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded; one line naming the directory."""
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer from a local directory; applies its chat template to messages
     (and to plain prompts as one user turn) when it has one."""
@@ -59,10 +64,14 @@ class HFTokenizer:
     def __init__(self, path: str):
         from transformers import AutoTokenizer
 
+        if not os.path.isdir(path):
+            raise TokenizerError(f"cannot load a tokenizer from {path!r}: no such directory "
+                                 "(use builtin or a local Hugging Face tokenizer directory)")
         try:
             self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from None
+        except (OSError, ValueError, KeyError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise TokenizerError(f"cannot load a tokenizer from {path!r}: {first}") from None
         self.vocab_size = len(self.tok)
         self.eos_id = self.tok.eos_token_id
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id

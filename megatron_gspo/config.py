@@ -339,11 +339,20 @@ class DataConfig:
     files: list = field(default_factory=list)
     eval_files: list = field(default_factory=list)
     reward: str = "exact_match"  # exact_match | math | code
+    # Rewards in a pool of worker processes (> 0; for code and slow verifiers), else in process;
+    # a reward that raises or runs past the timeout scores 0 (rollout/reward_failures).
+    reward_workers: int = 0
+    reward_timeout_s: float = 30.0
     tokenizer: str = "builtin"  # builtin | a local Hugging Face tokenizer directory
 
     def validate(self) -> "DataConfig":
         if self.task not in ("add", "reverse", "files"):
             raise _err("data.task", self.task, "is unknown", "use add, reverse or files")
+        if self.reward_workers < 0:
+            raise _err("data.reward_workers", self.reward_workers, "must be >= 0",
+                       "use 0 to score in the trainer process")
+        if not self.reward_timeout_s > 0:
+            raise _err("data.reward_timeout_s", self.reward_timeout_s, "must be > 0", "e.g. 30")
         if self.task == "files" and not self.files:
             raise _err("data.files", self.files, "task=files needs prompt files",
                        "list .jsonl or .parquet files")

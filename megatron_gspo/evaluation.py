@@ -16,7 +16,7 @@ import torch
 
 from megatron_gspo import comm
 from megatron_gspo.parallel import ParallelContext
-from megatron_gspo.rewards import RewardInput, RewardResult
+from megatron_gspo.rewards import RewardInput
 from megatron_gspo.rollout.share import share_values
 from megatron_gspo.rollout.types import Sample, SamplingParams
 
@@ -33,18 +33,20 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def score_samples(records, samples: Sequence[Sample], *, decode: Callable,
-                  reward_fn: Callable[[RewardInput], RewardResult],
-                  ctx: ParallelContext) -> torch.Tensor:
+def score_samples(records, samples: Sequence[Sample], *, decode: Callable, scorer,
+                  ctx: ParallelContext) -> tuple[torch.Tensor, int]:
     """Rewards of ``samples`` (the i-th answering ``records[i]``), scored once per replica by its
-    leader and broadcast to the replica's other ranks; a host float32 tensor on every rank."""
-    out = None
+    leader with ``scorer`` (``rewards.pool.make_scorer``) and broadcast to the replica's other
+    ranks: a host float32 tensor on every rank, and the number of rewards that raised or timed
+    out (scored 0) on the leader (0 elsewhere)."""
+    out, failed = None, 0
     if ctx.is_replica_leader:
-        out = torch.tensor([reward_fn(RewardInput(response=decode(s.response_ids),
-                                                  answer=rec.answer, tests=rec.tests,
-                                                  meta=rec.metadata or {})).score
-                            for rec, s in zip(records, samples)], dtype=torch.float32)
-    return share_values(out, len(samples), group=ctx.replica_group, device=ctx.device)
+        results, failures = scorer.score([
+            RewardInput(response=decode(s.response_ids), answer=rec.answer, tests=rec.tests,
+                        meta=rec.metadata or {}) for rec, s in zip(records, samples)])
+        out = torch.tensor([r.score for r in results], dtype=torch.float32)
+        failed = sum(failures.values())
+    return share_values(out, len(samples), group=ctx.replica_group, device=ctx.device), failed
 
 
 @dataclass
@@ -73,7 +75,7 @@ def evaluate_records(records: Sequence, *, ctx: ParallelContext, generate: Calla
         ids = [render(p) for p in part]
         first_row = (ctx.dp_rank * per_rank + i) * samples
         out = generate(ids, samples, params, first_row=first_row)
-        rewards = score([part[s.prompt_index] for s in out], out)
+        rewards = score([part[s.prompt_index] for s in out], out)[0]
         keep = max(0, real - i) * samples  # padding rows are not counted
         right += float(rewards[:keep].sum())
         count += len(rewards[:keep])

@@ -18,7 +18,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 import torch
 from megatron.core.distributed import DistributedDataParallel
@@ -45,7 +45,8 @@ from megatron_gspo.parallel import ParallelContext, init_parallel
 from megatron_gspo.policy import (attach_ref, logprob_pass, normalizer_for, policy_update,
                                   sft_micro_batches, sft_update)
 from megatron_gspo.policy_io import export_hf_dir, hf_config_at
-from megatron_gspo.rewards import RewardInput, RewardResult, get_reward
+from megatron_gspo.rewards import get_reward
+from megatron_gspo.rewards.pool import InlineScorer, RewardPool, make_scorer
 from megatron_gspo.rl_batch import (RolloutBatch, build_batch, engine_route_targets, micro_batches,
                                     minibatch_rows, round_up, row_width, update_order,
                                     width_multiple)
@@ -86,7 +87,7 @@ class Run:
     replay: Optional[RoutingReplay]  # when routes are recorded or replayed
     train_data: PromptDataset
     eval_records: list[PromptRecord]
-    reward_fn: Callable[[RewardInput], RewardResult]
+    scorer: Union[InlineScorer, RewardPool]  # rewards: in process, or a bounded worker pool
     logger: RunLogger
     ckpt: CheckpointManager
     guard: NonFiniteGuard
@@ -133,6 +134,7 @@ def train(job: JobConfig) -> dict:
         return run.history
     finally:
         run.signals.uninstall()
+        run.scorer.close()
         run.logger.close()
 
 
@@ -143,7 +145,7 @@ def rl_step(run: Run, step: int) -> dict:
     with timers("rollout"):
         records, samples = rollout(run, step)
     with timers("reward"):
-        rewards = score(run, records, samples)
+        rewards, failures = score(run, records, samples)
     batch = make_batch(run, samples, rewards)
     with timers("old_logprobs"):
         routes = old_logprobs(run, batch)
@@ -153,7 +155,8 @@ def rl_step(run: Run, step: int) -> dict:
     with timers("weight_sync"):
         sync_weights(run)
     run.step = step
-    return step_metrics(run, step, batch, samples, results, {**drift, **correction}, timers,
+    return step_metrics(run, step, batch, samples, results,
+                        {**drift, **correction, **reward_failures(run, failures)}, timers,
                         time.perf_counter() - t0)
 
 
@@ -189,10 +192,18 @@ def generate(run: Run, ids, samples_per_prompt: int, params: SamplingParams, *,
     return share_samples(samples, group=ctx.replica_group, device=ctx.device)
 
 
-def score(run: Run, records, samples) -> torch.Tensor:
-    """Rewards, scored once per replica (by its leader) and broadcast to its other ranks."""
-    return score_samples(records, samples, decode=run.tokenizer.decode, reward_fn=run.reward_fn,
+def score(run: Run, records, samples) -> tuple[torch.Tensor, int]:
+    """Rewards, scored once per replica (by its leader) and broadcast to its other ranks; and how
+    many rewards raised or timed out (scored 0; on the leader)."""
+    return score_samples(records, samples, decode=run.tokenizer.decode, scorer=run.scorer,
                          ctx=run.ctx)
+
+
+def reward_failures(run: Run, failures: int) -> dict:
+    """``rollout/reward_failures``: rewards of the step that raised or timed out, every replica's
+    (counted on its leader)."""
+    total = comm.reduce_sum(failures if run.ctx.is_replica_leader else 0, device=run.ctx.device)
+    return {"rollout/reward_failures": total}
 
 
 def make_batch(run: Run, samples, rewards) -> RolloutBatch:
@@ -403,7 +414,9 @@ def setup(job: JobConfig) -> Run:
     logger = RunLogger(run_dir, enabled=ctx.rank == 0, tensorboard=job.logging.tensorboard,
                        progress=job.logging.progress, total_steps=job.trainer.steps)
     run = Run(job=job, ctx=ctx, tokenizer=tokenizer, gpt=gpt, ddp=ddp, engine=engine, replay=replay,
-              train_data=train_data, eval_records=eval_records, reward_fn=get_reward(job.data.reward),
+              train_data=train_data, eval_records=eval_records,
+              scorer=make_scorer(get_reward(job.data.reward), workers=job.data.reward_workers,
+                                 timeout_s=job.data.reward_timeout_s),
               logger=logger, ckpt=CheckpointManager(os.path.join(run_dir, "checkpoints"), ctx,
                                                     keep=job.trainer.keep_checkpoints),
               guard=NonFiniteGuard(job.trainer.max_consecutive_skips),

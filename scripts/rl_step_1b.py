@@ -72,7 +72,7 @@ def main() -> None:
         return out
 
     records, samples = timed("rollout", trainer.rollout, run, 1)
-    rewards = timed("reward", trainer.score, run, records, samples)
+    rewards, _ = timed("reward", trainer.score, run, records, samples)
     batch = trainer.make_batch(run, samples, rewards)
     routes = timed("old_logprobs", trainer.old_logprobs, run, batch)
     results, _ = timed("update", trainer.update, run, batch, routes)

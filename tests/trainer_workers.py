@@ -69,7 +69,7 @@ def _forced_micro_batches(run) -> list:
     from megatron_gspo.rl_batch import micro_batches
 
     records, samples = trainer.rollout(run, 1)
-    batch = trainer.make_batch(run, samples, trainer.score(run, records, samples))
+    batch = trainer.make_batch(run, samples, trainer.score(run, records, samples)[0])
     batch.advantages_B = torch.linspace(-1, 1, batch.rows)
     trainer.old_logprobs(run, batch)
     return micro_batches(batch, list(range(batch.rows)), run.job.trainer.micro_batch_size)
@@ -165,3 +165,10 @@ def step0_resume_job(cfg: dict) -> dict:
     run.signals.uninstall()
     run.logger.close()
     return out
+
+
+def scripted_code_job(cfg: dict) -> dict:
+    """A run whose reward is tests.reward_fixtures.scripted_code (registered by the import)."""
+    import tests.reward_fixtures  # noqa: F401  (registers the reward in this process)
+
+    return train_job(cfg)

@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     from megatron_gspo.parallel import destroy_parallel, init_parallel
     from megatron_gspo.policy_io import load_source, open_source
     from megatron_gspo.rewards import get_reward
+    from megatron_gspo.rewards.pool import InlineScorer
     from megatron_gspo.rollout.local_engine import LocalEngine
     from megatron_gspo.rollout.types import SamplingParams
 
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
         src = open_source(args.checkpoint)
         records, reward, tok_spec, max_new = _records(args, src)
         tokenizer = load_tokenizer(tok_spec)
-        reward_fn = get_reward(reward)
+        scorer = InlineScorer(get_reward(reward))
         ctx = init_parallel(ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep,
                                            sequence_parallel=args.sequence_parallel),
                             src.model, seed=args.seed)
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
             records, ctx=ctx, params=params, samples=args.samples, decode=tokenizer.decode,
             generate=engine.generate,
             score=lambda recs, out: score_samples(recs, out, decode=tokenizer.decode,
-                                                  reward_fn=reward_fn, ctx=ctx),
+                                                  scorer=scorer, ctx=ctx),
             render=lambda p: tokenizer.render_prompt(p.prompt, p.messages))
         rows = [None] * ctx.world_size
         torch.distributed.all_gather_object(rows, result.rows if ctx.is_replica_leader else [])

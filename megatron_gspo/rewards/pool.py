@@ -15,7 +15,39 @@ def _call(fn, sample):
     return fn(sample)
 
 
+class InlineScorer:
+    """Scores in the calling process (cheap rewards: exact match, math): a reward that raises
+    gives 0 with the reason counted, as in the pool; there is no timeout."""
+
+    def __init__(self, fn: Callable[[RewardInput], RewardResult]):
+        self.fn = fn
+
+    def score(self, samples: Sequence[RewardInput]) -> tuple[list[RewardResult], Counter]:
+        results, failures = [], Counter()
+        for sample in samples:
+            try:
+                result = self.fn(sample)
+                if not isinstance(result, RewardResult):
+                    raise TypeError(f"reward returned {type(result).__name__}, not RewardResult")
+            except Exception as e:
+                result = RewardResult(0.0, {"reason": f"reward raised {type(e).__name__}: {e}"[:200]})
+                failures["raised"] += 1
+            results.append(result)
+        return results, failures
+
+    def close(self) -> None:
+        return None
+
+
+def make_scorer(fn: Callable[[RewardInput], RewardResult], *, workers: int, timeout_s: float):
+    """``RewardPool`` with ``workers`` > 0 (sandboxed code, slow verifiers), else in-process."""
+    return RewardPool(fn, workers=workers, timeout_s=timeout_s) if workers > 0 else InlineScorer(fn)
+
+
 class RewardPool:
+    """Bounded worker processes; a reward past ``timeout_s`` (counted from when the trainer
+    starts waiting for it) scores 0, and the pool is replaced."""
+
     def __init__(self, fn: Callable[[RewardInput], RewardResult], *, workers: int = 2,
                  timeout_s: float = 30.0):
         self.fn, self.workers, self.timeout_s = fn, workers, timeout_s

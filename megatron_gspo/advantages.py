@@ -37,3 +37,23 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     r_PG = _groups(rewards, group_size)
     varied = (r_PG != r_PG[:, :1]).any(dim=1, keepdim=True)
     return varied.expand_as(r_PG).reshape(-1)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment per response of ``lengths`` tokens (limit ``max_len``):
+    0 up to ``max_len - buffer`` tokens, then a linear ramp to -1 at ``max_len`` (and -1 past it)."""
+    if buffer < 1 or buffer > max_len:
+        raise ValueError(f"overlong buffer {buffer} must be in [1, {max_len}]")
+    start = max_len - buffer
+    over = (lengths.to(torch.float64) - start) / buffer
+    return -torch.clamp(over, min=0.0, max=1.0)
+
+
+def select_groups(informative: torch.Tensor, group_size: int, wanted: int) -> tuple[list, list]:
+    """Dynamic sampling over one round's responses: (indices of the groups to keep, in order, at
+    most ``wanted``; indices of the informative groups left over or uninformative ones dropped).
+    ``informative`` is ``informative_groups``' [N] mask."""
+    per_group = informative.reshape(-1, group_size)[:, 0].tolist()
+    keep = [g for g, ok in enumerate(per_group) if ok][:wanted]
+    drop = [g for g in range(len(per_group)) if g not in keep]
+    return keep, drop

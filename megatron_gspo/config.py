@@ -278,6 +278,15 @@ class RolloutConfig:
     weight_sync_bucket_mb: float = 512.0  # weights go out in buckets of about this size
     weight_sync_port: int = 29600  # weight_sync=distributed: the trainer's (rank 0) store port
     return_routes: bool = False  # sglang: ask the servers for routed experts (R3, drift)
+    # DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more prompts
+    # until the step's batch is full, at most max_sampling_rounds rounds (then groups of equal
+    # rewards fill the rest: they carry no advantage).
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
+    # Responses cut at max_new_tokens: keep (trained as finished ones) | mask (no loss) |
+    # soft_penalty (DAPO: reward ramps down by up to 1 over the last overlong_buffer tokens).
+    overlong: str = "keep"
+    overlong_buffer: int = 4
 
     def validate(self) -> "RolloutConfig":
         if self.engine not in ("local", "sglang"):
@@ -302,6 +311,15 @@ class RolloutConfig:
         if not self.weight_sync_bucket_mb > 0:
             raise _err("rollout.weight_sync_bucket_mb", self.weight_sync_bucket_mb, "must be > 0",
                        "e.g. 512")
+        if self.max_sampling_rounds < 1:
+            raise _err("rollout.max_sampling_rounds", self.max_sampling_rounds, "must be >= 1",
+                       "e.g. 4")
+        if self.overlong not in ("keep", "mask", "soft_penalty"):
+            raise _err("rollout.overlong", self.overlong, "is unknown",
+                       "use keep, mask or soft_penalty")
+        if self.overlong == "soft_penalty" and not 1 <= self.overlong_buffer <= self.max_new_tokens:
+            raise _err("rollout.overlong_buffer", self.overlong_buffer,
+                       f"must be in [1, max_new_tokens={self.max_new_tokens}]", "e.g. 4")
         if self.weight_sync not in ("disk", "distributed", "tensor"):
             raise _err("rollout.weight_sync", self.weight_sync, "is unknown",
                        "use disk, distributed or tensor")

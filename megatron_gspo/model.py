@@ -108,6 +108,8 @@ def build_model(model: ModelConfig, ctx: ParallelContext, **config_overrides):
     config = transformer_config(model, ctx, **config_overrides)
     if model.router_expert_bias:
         router_losses.fix_expert_bias_padding()
+    if model.is_moe:
+        router_losses.fix_empty_batch_aux_loss()
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(config, ctx),

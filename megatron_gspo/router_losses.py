@@ -87,3 +87,37 @@ def fix_expert_bias_padding() -> bool:
     _apply_expert_bias._padding_fixed = True
     TopKRouter._apply_expert_bias = _apply_expert_bias
     return True
+
+
+def _empty_batch_loss_is_nan() -> bool:
+    probs = torch.zeros(2, 4)
+    loss = moe_utils.switch_load_balancing_loss_func(
+        probs=probs, tokens_per_expert=torch.zeros(4), total_num_tokens=torch.zeros(()), topk=2,
+        num_experts=4, moe_aux_loss_coeff=1.0, padding_mask=torch.zeros(2, dtype=torch.bool))
+    return bool(torch.isnan(loss))
+
+
+def fix_empty_batch_aux_loss() -> bool:
+    """megatron-core 0.16.1's load-balancing loss divides by the number of unmasked tokens: a
+    micro-batch whose tokens are all masked out (no response token in it, e.g. every response
+    cut and masked by ``rollout.overlong=mask``) gives 0 / 0 = NaN, and the update is skipped as
+    non-finite. The loss of no tokens is 0 (no term, no gradient); the replacement divides by at
+    least one token. Idempotent; True while in force, off once upstream no longer needs it."""
+    from megatron.core.transformer.moe import router
+
+    if getattr(router.switch_load_balancing_loss_func, "_empty_fixed", False):
+        return True
+    if not _empty_batch_loss_is_nan():
+        return False
+    original = moe_utils.switch_load_balancing_loss_func
+
+    def switch_load_balancing_loss_func(*args, total_num_tokens, **kwargs):
+        if torch.is_tensor(total_num_tokens):
+            total_num_tokens = total_num_tokens.clamp_min(1)
+        else:
+            total_num_tokens = max(total_num_tokens, 1)
+        return original(*args, total_num_tokens=total_num_tokens, **kwargs)
+
+    switch_load_balancing_loss_func._empty_fixed = True
+    router.switch_load_balancing_loss_func = switch_load_balancing_loss_func
+    return True

@@ -27,7 +27,8 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_gspo import comm, cpu_backend, router_losses
-from megatron_gspo.advantages import group_advantages, informative_groups
+from megatron_gspo.advantages import (group_advantages, informative_groups, overlong_penalty,
+                                      select_groups)
 from megatron_gspo.checkpoint import CheckpointError, CheckpointManager
 from megatron_gspo.config import JobConfig, job_to_dict
 from megatron_gspo.correction import rollout_weights, weighted_advantages
@@ -47,7 +48,7 @@ from megatron_gspo.policy import (attach_ref, logprob_pass, normalizer_for, poli
 from megatron_gspo.policy_io import export_hf_dir, hf_config_at
 from megatron_gspo.rewards import get_reward
 from megatron_gspo.rewards.pool import InlineScorer, RewardPool, make_scorer
-from megatron_gspo.rl_batch import (RolloutBatch, build_batch, engine_route_targets, micro_batches,
+from megatron_gspo.rl_batch import (build_batch, engine_route_targets, micro_batches,
                                     minibatch_rows, round_up, row_width, update_order,
                                     width_multiple)
 from megatron_gspo.rollout.local_engine import LocalEngine
@@ -142,11 +143,8 @@ def rl_step(run: Run, step: int) -> dict:
     """One rollout batch and its K policy updates; returns the step's metrics."""
     timers = Timers()
     t0 = time.perf_counter()
-    with timers("rollout"):
-        records, samples = rollout(run, step)
-    with timers("reward"):
-        rewards, failures = score(run, records, samples)
-    batch = make_batch(run, samples, rewards)
+    samples, rewards, sampling = sample_batch(run, step, timers)  # rollout and reward phases
+    batch, overlong = make_batch(run, samples, rewards)
     with timers("old_logprobs"):
         routes = old_logprobs(run, batch)
     with timers("update"):
@@ -156,7 +154,7 @@ def rl_step(run: Run, step: int) -> dict:
         sync_weights(run)
     run.step = step
     return step_metrics(run, step, batch, samples, results,
-                        {**drift, **correction, **reward_failures(run, failures)}, timers,
+                        {**drift, **correction, **sampling, **overlong}, timers,
                         time.perf_counter() - t0)
 
 
@@ -164,10 +162,45 @@ def rl_step(run: Run, step: int) -> dict:
 # Phases.
 # ---------------------------------------------------------------------------------------------
 
-def rollout(run: Run, step: int):
-    """This data-parallel rank's prompts of the step and their responses. The local engine runs
-    on every rank of the replica (its model is sharded over them); an SGLang request goes out
-    from the replica's leader only, and the responses reach the other ranks by broadcast."""
+def sample_batch(run: Run, step: int, timers: Timers):
+    """The step's responses and rewards. With ``rollout.dynamic_sampling``, rounds of fresh
+    prompts until every rank holds a full batch of groups whose rewards differ (at most
+    ``rollout.max_sampling_rounds``; groups of equal rewards fill what is missing then)."""
+    r, ctx = run.job.rollout, run.ctx
+    g, wanted = r.group_size, r.prompts_per_step // ctx.dp
+    kept, spare, failures, sampled = [], [], 0, 0
+    rounds = r.max_sampling_rounds if r.dynamic_sampling else 1
+    for attempt in range(rounds):
+        with timers("rollout"):
+            records, samples = rollout(run, step, attempt)
+        with timers("reward"):
+            rewards, failed = score(run, records, samples)
+        failures += failed
+        groups = [(samples[i:i + g], rewards[i:i + g]) for i in range(0, len(samples), g)]
+        sampled += len(groups)
+        if not r.dynamic_sampling:
+            kept = groups
+            break
+        keep, drop = select_groups(informative_groups(rewards, g), g, wanted - len(kept))
+        kept += [groups[i] for i in keep]
+        spare += [groups[i] for i in drop if not bool(informative_groups(groups[i][1], g)[0])]
+        if comm.all_ranks(len(kept) >= wanted, device=ctx.device):  # every rank: same rounds
+            break
+    kept += spare[:wanted - len(kept)]
+    metrics = reward_failures(run, failures)
+    if r.dynamic_sampling:
+        lead = ctx.is_replica_leader
+        dropped = comm.reduce_sum(sampled - len(kept) if lead else 0, device=ctx.device)
+        metrics.update({"rollout/sampling_rounds": attempt + 1, "rollout/dropped_groups": dropped})
+    samples = [s for group, _ in kept for s in group]
+    return samples, torch.cat([rw for _, rw in kept]), metrics
+
+
+def rollout(run: Run, step: int, attempt: int = 0):
+    """This data-parallel rank's prompts of the step and their responses (``attempt``: the round
+    of dynamic sampling, with fresh prompts and seeds). The local engine runs on every rank of
+    the replica (its model is sharded over them); an SGLang request goes out from the replica's
+    leader only, and the responses reach the other ranks by broadcast."""
     r, ctx = run.job.rollout, run.ctx
     prompts = run.train_data.next_batch(r.prompts_per_step)  # the same global batch on every rank
     per_rank = r.prompts_per_step // ctx.dp
@@ -176,7 +209,7 @@ def rollout(run: Run, step: int):
     params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                             top_p=r.top_p, top_k=r.top_k,
                             stop_token_ids=(run.tokenizer.eos_id,),
-                            seed=run.job.seed * 100_003 + step)
+                            seed=run.job.seed * 100_003 + step + attempt * 1_000_003)
     samples = generate(run, ids, r.group_size, params,
                        first_row=ctx.dp_rank * per_rank * r.group_size)
     return [mine[s.prompt_index] for s in samples], samples
@@ -206,12 +239,30 @@ def reward_failures(run: Run, failures: int) -> dict:
     return {"rollout/reward_failures": total}
 
 
-def make_batch(run: Run, samples, rewards) -> RolloutBatch:
-    adv = group_advantages(rewards, run.job.rollout.group_size,
-                           scale=run.job.algo.scale_advantages)
+def make_batch(run: Run, samples, rewards):
+    """The step's padded rows with group advantages, after ``rollout.overlong`` (soft penalty on
+    the rewards, or no loss on truncated responses); and the overlong metrics."""
+    r, metrics = run.job.rollout, {}
+    if r.overlong == "soft_penalty":
+        lengths = torch.tensor([len(s.response_ids) for s in samples])
+        penalty = overlong_penalty(lengths, r.max_new_tokens, r.overlong_buffer).float()
+        rewards = rewards + penalty
+        metrics["rollout/overlong_penalty"] = _dp_mean(run, float(penalty.sum()), len(samples))
+    adv = group_advantages(rewards, r.group_size, scale=run.job.algo.scale_advantages)
     width = row_width(samples, device=run.ctx.device, multiple_of=width_multiple(run.ctx))
-    return build_batch(samples, rewards, adv, width=width, pad_id=run.tokenizer.pad_id,
-                       num_experts=run.job.model.num_experts)
+    batch = build_batch(samples, rewards, adv, width=width, pad_id=run.tokenizer.pad_id,
+                        num_experts=run.job.model.num_experts)
+    if r.overlong == "mask":
+        cut = torch.tensor([s.finish_reason == "length" for s in samples])
+        batch.mask_BS[cut] = 0.0
+        metrics["rollout/overlong_masked"] = _dp_mean(run, float(cut.sum()), len(samples))
+    return batch, metrics
+
+
+def _dp_mean(run: Run, total: float, count: int) -> float:
+    total, count = comm.reduce_values([total, count], device=run.ctx.device,
+                                      group=run.ctx.dp_group)
+    return total / max(count, 1.0)
 
 
 def _targets(run: Run, batch, rows):

@@ -73,7 +73,7 @@ def main() -> None:
 
     records, samples = timed("rollout", trainer.rollout, run, 1)
     rewards, _ = timed("reward", trainer.score, run, records, samples)
-    batch = trainer.make_batch(run, samples, rewards)
+    batch, _ = trainer.make_batch(run, samples, rewards)
     routes = timed("old_logprobs", trainer.old_logprobs, run, batch)
     results, _ = timed("update", trainer.update, run, batch, routes)
     fed = int(batch.lengths_B.sum())

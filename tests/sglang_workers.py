@@ -45,11 +45,11 @@ def sglang_jobs(cfgs: list) -> list:
         steps = []
 
         def spy(run, samples, rewards):
-            batch = make_batch(run, samples, rewards)
+            batch, metrics = make_batch(run, samples, rewards)
             steps.append({"tokens": batch.tokens_BS1.tolist(),
                           "responses": [s.response_ids for s in samples],
                           "prompts": [s.prompt_ids for s in samples]})
-            return batch
+            return batch, metrics
 
         trainer.make_batch = spy
         try:

@@ -32,3 +32,23 @@ def test_informative_groups():
 def test_wrong_shapes_fail_clearly(rewards, group):
     with pytest.raises(ValueError, match="rewards"):
         group_advantages(rewards, group)
+
+
+def test_overlong_penalty_is_dapos_linear_ramp():
+    from megatron_gspo.advantages import overlong_penalty
+
+    # limit 8, buffer 4: free up to 4 tokens, then -1/4 per token, -1 at 8 and beyond
+    got = overlong_penalty(torch.tensor([0, 4, 5, 6, 7, 8, 9]), 8, 4)
+    assert got.tolist() == [0.0, 0.0, -0.25, -0.5, -0.75, -1.0, -1.0]
+    with pytest.raises(ValueError, match="buffer 9"):
+        overlong_penalty(torch.tensor([1]), 8, 9)
+
+
+def test_select_groups_keeps_informative_groups_in_order():
+    from megatron_gspo.advantages import informative_groups, select_groups
+
+    rewards = torch.tensor([1.0, 1, 0, 1, 0, 0, 1, 0])  # groups of 2: [1,1] [0,1] [0,0] [1,0]
+    keep, drop = select_groups(informative_groups(rewards, 2), 2, wanted=5)
+    assert keep == [1, 3] and drop == [0, 2]
+    keep, drop = select_groups(informative_groups(rewards, 2), 2, wanted=1)
+    assert keep == [1] and drop == [0, 2, 3]

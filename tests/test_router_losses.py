@@ -75,3 +75,27 @@ def test_settings_are_validated():
     with pytest.raises(ConfigError, match="model.router_score_function='relu'"):
         ModelConfig(router_score_function="relu").validate()
     assert AlgoConfig().aux_loss_coeff == 0.0 and AlgoConfig().z_loss_coeff == 0.0
+
+
+def test_load_balancing_loss_of_no_tokens_is_zero_not_nan():
+    """megatron-core 0.16.1 divides by the unmasked tokens (0 / 0 on a micro-batch without a
+    response token); the adaptation makes it 0, and switches off where upstream is fine."""
+    import torch
+    from megatron.core.transformer.moe import router
+
+    from megatron_gspo import router_losses
+
+    assert router_losses._empty_batch_loss_is_nan()  # the installed megatron-core needs it
+    assert router_losses.fix_empty_batch_aux_loss()
+    probs = torch.rand(3, 4, requires_grad=True)
+    loss = router.switch_load_balancing_loss_func(
+        probs=probs, tokens_per_expert=torch.zeros(4), total_num_tokens=torch.zeros(()),
+        topk=2, num_experts=4, moe_aux_loss_coeff=1.0)
+    loss.backward()
+    assert loss.item() == 0.0 and probs.grad.abs().sum().item() == 0.0
+    # with tokens, the value is megatron's own
+    tokens = torch.tensor([2.0, 1.0, 2.0, 1.0])
+    args = dict(probs=probs.detach(), tokens_per_expert=tokens, total_num_tokens=torch.tensor(3.0),
+                topk=2, num_experts=4, moe_aux_loss_coeff=1.0)
+    from megatron.core.transformer.moe import moe_utils
+    assert router.switch_load_balancing_loss_func(**args) == moe_utils.switch_load_balancing_loss_func(**args)

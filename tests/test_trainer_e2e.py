@@ -18,6 +18,9 @@ ARMS = {
     "grpo_r3": {"algo": {"name": "grpo"}, "replay": {"mode": "r3"}},
     "gspo_kl": {"algo": {"name": "gspo", "kl_coef": 0.05}},  # frozen reference model
     "grpo_tis": {"algo": {"name": "grpo", "rollout_correction": "token_tis"}},
+    "gspo_dynamic": {"rollout": {"dynamic_sampling": True, "max_sampling_rounds": 3}},
+    "grpo_overlong_mask": {"algo": {"name": "grpo"}, "rollout": {"overlong": "mask"}},
+    "gspo_soft_penalty": {"rollout": {"overlong": "soft_penalty", "overlong_buffer": 2}},
 }
 
 REQUIRED_TAGS = ["train/loss", "train/clip_fraction", "train/ratio_mean", "train/ratio_min",
@@ -79,7 +82,8 @@ def test_three_steps_log_every_documented_tag(arms, name):
     assert os.path.isfile(os.path.join(run_dir, "checkpoints", "step_000003", "MANIFEST.json"))
 
 
-@pytest.mark.parametrize("name", list(ARMS))
+# (the overlong-mask arm: its untrained responses are cut at 5 tokens and masked, nothing to train)
+@pytest.mark.parametrize("name", [n for n in ARMS if n != "grpo_overlong_mask"])
 def test_first_minibatch_is_on_policy(arms, name):
     _, result = arms[name]
     for r in result["rows"]:
@@ -126,3 +130,37 @@ def test_rollout_correction_weights_are_one_with_the_local_engine(arms):
         assert r["train/rollout_correction/masked_fraction"] == 0.0
     assert not any("train/rollout_correction/mean_weight" in r
                    for r in arms["grpo"][1]["rows"])
+
+
+def test_dynamic_sampling_counts_rounds_and_dropped_groups(arms):
+    """Untrained, every group's rewards are equal: each step samples its 3 rounds, drops every
+    group but the 4 that fill the batch (they carry no advantage)."""
+    for r in (r for r in arms["gspo_dynamic"][1]["rows"] if "train/loss" in r):
+        rounds = r["rollout/sampling_rounds"]
+        assert 1 <= rounds <= 3
+        assert r["rollout/dropped_groups"] == rounds * 4 - 4
+        if rounds < 3:  # filled with groups whose rewards differ
+            assert r["rollout/informative_fraction"] == 1.0
+        else:
+            assert r["rollout/informative_fraction"] < 1.0
+
+
+def test_masked_overlong_responses_carry_no_loss(arms):
+    rows = [r for r in arms["grpo_overlong_mask"][1]["rows"] if "train/loss" in r]
+    for r in rows:
+        assert r["rollout/overlong_masked"] == r["rollout/truncated_fraction"]
+        if r["rollout/truncated_fraction"] == 1.0:  # every response cut: nothing to learn from
+            assert r["train/policy_loss"] == 0.0 and r["train/entropy"] == 0.0
+    assert any(r["rollout/truncated_fraction"] > 0 for r in rows)
+
+
+def test_soft_overlong_penalty_enters_the_reward(arms):
+    rows = [r for r in arms["gspo_soft_penalty"][1]["rows"] if "train/loss" in r]
+    base = [r for r in arms["gspo"][1]["rows"] if "train/loss" in r]
+    for r, b in zip(rows, base):
+        assert -1.0 <= r["rollout/overlong_penalty"] <= 0.0
+        # the same responses as the plain gspo arm at step 1 (same seed): reward + penalty
+        if r["step"] == 1:
+            assert r["rollout/reward_mean"] == pytest.approx(
+                b["rollout/reward_mean"] + r["rollout/overlong_penalty"], abs=1e-6)
+    assert any(r["rollout/overlong_penalty"] < 0 for r in rows)

@@ -69,7 +69,7 @@ def _forced_micro_batches(run) -> list:
     from megatron_gspo.rl_batch import micro_batches
 
     records, samples = trainer.rollout(run, 1)
-    batch = trainer.make_batch(run, samples, trainer.score(run, records, samples)[0])
+    batch, _ = trainer.make_batch(run, samples, trainer.score(run, records, samples)[0])
     batch.advantages_B = torch.linspace(-1, 1, batch.rows)
     trainer.old_logprobs(run, batch)
     return micro_batches(batch, list(range(batch.rows)), run.job.trainer.micro_batch_size)

@@ -14,7 +14,10 @@ TensorBoard tags written every RL step (``moe/`` tags: see ``moe.instrument``):
   (total non-finite updates skipped so far)
 - ``rollout/reward_mean``, ``rollout/reward_std``, ``rollout/response_length``,
   ``rollout/truncated_fraction``, ``rollout/informative_fraction`` (groups with differing rewards),
-  ``rollout/logprob_mismatch`` (mean |engine - trainer| log-prob of response tokens)
+  ``rollout/logprob_mismatch`` (mean |engine - trainer| log-prob of response tokens),
+  ``rollout/reward_failures`` (rewards that raised or timed out, scored 0); with the options that
+  make them: ``rollout/sampling_rounds``, ``rollout/dropped_groups`` (dynamic sampling),
+  ``rollout/overlong_masked``, ``rollout/overlong_penalty``
 - ``eval/accuracy`` (held-out greedy accuracy, at evaluations)
 - ``perf/step_time_s``, ``perf/tokens_per_s`` (trained tokens / step time), and
   ``perf/time/PHASE_s`` for rollout, reward, old_logprobs, update, weight_sync, checkpoint (the

@@ -41,9 +41,11 @@ def runs(tmp_path_factory):
         return merge(LEARNABLE, {"run_dir": str(tmp_path_factory.mktemp("resumed")),
                                  "parallel": parallel, "trainer": {"resume": start}})
 
-    fresh, single = run_layouts(1, [(train_job, (merge(LEARNABLE, {"run_dir": base}),)),
-                                    (train_job, (resumed({}),))])
-    out = {"fresh": fresh[0]["rows"], "single": single[0]["rows"]}
+    dynamic = merge(LEARNABLE, {"rollout": {"dynamic_sampling": True, "max_sampling_rounds": 4},
+                                "run_dir": str(tmp_path_factory.mktemp("dynamic"))})
+    fresh, single, dyn = run_layouts(1, [(train_job, (merge(LEARNABLE, {"run_dir": base}),)),
+                                         (train_job, (resumed({}),)), (train_job, (dynamic,))])
+    out = {"fresh": fresh[0]["rows"], "single": single[0]["rows"], "dynamic": dyn[0]["rows"]}
     layouts = run_layouts(2, [(train_job, (resumed(parallel),)) for _, parallel in LAYOUTS.values()])
     for name, per_rank in zip(LAYOUTS, layouts):
         out[name] = per_rank[0]["rows"]
@@ -79,3 +81,15 @@ def test_every_logged_metric_matches_one_rank(runs, name):
     bad = {k: (ref[k], got[k]) for k in keys if not close(ref[k], got[k])}
     assert not bad, f"{name}: metrics differ from 1 rank: {bad}"
     assert ref["rollout/reward_mean"] == got["rollout/reward_mean"]
+
+
+def test_dynamic_sampling_fills_the_batch_with_groups_that_differ(runs):
+    """The same run with dynamic sampling: at step 1 (same weights, same first prompts) it keeps
+    sampling until its 4 groups all have differing rewards, where the plain run has fewer."""
+    plain, dyn = step_row(runs["fresh"], 1), step_row(runs["dynamic"], 1)
+    assert plain["rollout/informative_fraction"] < 1.0
+    rounds = dyn["rollout/sampling_rounds"]
+    assert 1 <= rounds <= 4 and dyn["rollout/dropped_groups"] == rounds * 4 - 4
+    if rounds < 4:
+        assert dyn["rollout/informative_fraction"] == 1.0
+    assert dyn["rollout/informative_fraction"] > plain["rollout/informative_fraction"]

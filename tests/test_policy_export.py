@@ -136,17 +136,20 @@ def test_pass_at_k_hand_made_cases():
         pass_at_k(2, 1, 3)
 
 
-def test_bad_checkpoint_and_data_are_one_line(ep2_run, tmp_path):
+def test_bad_checkpoint_and_data_are_one_line(ep2_run, tmp_path, capsys):
+    """Both tools check their input before any process group or model (in process here)."""
+    from tools import convert_hf, evaluate
+
     run_dir, _ = ep2_run
-    out = tool("tools.evaluate", str(tmp_path / "nowhere"))
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1] == f"evaluate: {tmp_path / 'nowhere'}: no such directory"
-    out = tool("tools.evaluate", run_dir, "--data", str(tmp_path / "missing.jsonl"))
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1].startswith("evaluate: --data ")
-    out = tool("tools.convert_hf", "export", str(tmp_path), str(tmp_path / "x"))
-    assert out.returncode == 2
-    assert "not a training checkpoint, run directory, weights checkpoint" in out.stderr
+    assert evaluate.main([str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.strip() == f"evaluate: {tmp_path / 'nowhere'}: no such directory"
+    assert evaluate.main([run_dir, "--data", str(tmp_path / "missing.jsonl")]) == 2
+    assert capsys.readouterr().err.strip() == \
+        f"evaluate: --data {tmp_path / 'missing.jsonl'}: no such file"
+    assert convert_hf.main(["export", str(tmp_path), str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "not a training checkpoint, run directory, weights checkpoint" in err
 
 
 def test_tokenizer_files_travel_with_the_export(tmp_path):

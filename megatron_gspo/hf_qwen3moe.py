@@ -162,33 +162,19 @@ class HFCheckpoint:
 
 def write_hf_checkpoint(tensors: dict, config: dict, out_dir: str,
                         max_shard_bytes: int = 4 << 30) -> None:
-    """Write ``tensors`` as safetensors shards (with an index when more than one) and config.json."""
-    from safetensors.torch import save_file
-
-    os.makedirs(out_dir, exist_ok=True)
-    shards, current, size = [], {}, 0
+    """Write ``tensors`` as safetensors shards of at most ``max_shard_bytes`` (by name order, a
+    larger tensor alone), with an index, and config.json (``ShardWriter``)."""
+    writer, shard, size = ShardWriter(out_dir), [], 0
     for name in sorted(tensors):
-        t = tensors[name].contiguous()
+        t = tensors[name]
         nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = t
+        if shard and size + nbytes > max_shard_bytes:
+            writer.write(shard)
+            shard, size = [], 0
+        shard.append((name, t))
         size += nbytes
-    shards.append(current)
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
-            weight_map.update({k: fname for k in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    writer.write(shard)
+    writer.close(config)
 
 
 # ---------------------------------------------------------------------------------------------

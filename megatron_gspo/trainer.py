@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -181,9 +182,10 @@ def sample_batch(run: Run, step: int, timers: Timers):
         if not r.dynamic_sampling:
             kept = groups
             break
-        keep, drop = select_groups(informative_groups(rewards, g), g, wanted - len(kept))
+        informative = informative_groups(rewards, g)
+        keep, drop = select_groups(informative, g, wanted - len(kept))
         kept += [groups[i] for i in keep]
-        spare += [groups[i] for i in drop if not bool(informative_groups(groups[i][1], g)[0])]
+        spare += [groups[i] for i in drop if not informative[i * g]]  # equal rewards
         if comm.all_ranks(len(kept) >= wanted, device=ctx.device):  # every rank: same rounds
             break
     kept += spare[:wanted - len(kept)]
@@ -378,9 +380,8 @@ def evaluate(run: Run) -> float:
     params = SamplingParams(max_new_tokens=run.job.rollout.max_new_tokens, temperature=0.0,
                             stop_token_ids=(run.tokenizer.eos_id,))
     return evaluate_records(
-        run.eval_records, ctx=run.ctx, params=params,
-        generate=lambda ids, n, p, first_row: generate(run, ids, n, p, first_row=first_row),
-        score=lambda recs, samples: score(run, recs, samples),
+        run.eval_records, ctx=run.ctx, params=params, generate=functools.partial(generate, run),
+        score=functools.partial(score, run),
         render=lambda p: run.tokenizer.render_prompt(p.prompt, p.messages)).accuracy
 
 

@@ -19,6 +19,8 @@ import os
 import sys
 import warnings
 
+from tools import run_guarded
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tools.convert_hf", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -42,13 +44,13 @@ def main(argv=None) -> int:
     from megatron_gspo.hf_qwen3moe import (HFCheckpoint, HFCheckpointError, load_hf_weights,
                                            model_config_from_hf)
     from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import destroy_parallel, init_parallel
+    from megatron_gspo.parallel import init_parallel
     from megatron_gspo.policy_io import HF_CONFIG_FILE, export_hf_dir, load_source, open_source
     from megatron_gspo.weights import save_weights
 
     layout = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                             sequence_parallel=args.sequence_parallel)
-    try:
+    def body() -> None:
         if args.command == "import":
             hf_config = HFCheckpoint(args.hf_dir).config
             model = model_config_from_hf(hf_config, name=os.path.basename(args.hf_dir.rstrip("/")))
@@ -72,15 +74,9 @@ def main(argv=None) -> int:
                           tokenizer=src.tokenizer)
             if ctx.rank == 0:
                 print(f"exported {src.describe()} -> {args.out_dir}")
-    except (ConfigError, HFCheckpointError, CheckpointError, FileNotFoundError, KeyError) as e:
-        print(f"convert_hf: {e}", file=sys.stderr)
-        return 2
-    finally:
-        try:
-            destroy_parallel()
-        except Exception:
-            pass
-    return 0
+
+    return run_guarded("convert_hf", body, (ConfigError, HFCheckpointError, CheckpointError,
+                                            FileNotFoundError, KeyError))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ import os
 import sys
 import warnings
 
+from tools import run_guarded
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tools.evaluate",
@@ -80,14 +82,14 @@ def main(argv=None) -> int:
     from megatron_gspo.evaluation import evaluate_records, score_samples
     from megatron_gspo.hf_qwen3moe import HFCheckpointError
     from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import destroy_parallel, init_parallel
+    from megatron_gspo.parallel import init_parallel
     from megatron_gspo.policy_io import load_source, open_source
     from megatron_gspo.rewards import get_reward
     from megatron_gspo.rewards.pool import InlineScorer
     from megatron_gspo.rollout.local_engine import LocalEngine
     from megatron_gspo.rollout.types import SamplingParams
 
-    try:
+    def body() -> None:
         if args.samples < 1:
             raise ValueError(f"--samples {args.samples}: must be >= 1")
         src = open_source(args.checkpoint)
@@ -124,16 +126,10 @@ def main(argv=None) -> int:
             for k, value in result.pass_at.items():
                 print(f"pass@{k} {value:.4f}")
             print(f"responses: {out}")
-    except (CheckpointError, ConfigError, HFCheckpointError, PromptDataError, FileNotFoundError,
-            KeyError, ValueError) as e:
-        print(f"evaluate: {e}", file=sys.stderr)
-        return 2
-    finally:
-        try:
-            destroy_parallel()
-        except Exception:
-            pass
-    return 0
+
+    return run_guarded("evaluate", body, (CheckpointError, ConfigError, HFCheckpointError,
+                                          PromptDataError, FileNotFoundError, KeyError,
+                                          ValueError))
 
 
 if __name__ == "__main__":

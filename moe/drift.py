@@ -22,7 +22,7 @@ def agreement_sums(a_NK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
     k = a_NK.shape[1]
     inter = _overlap(a_NK.long(), b_NK.long()).double()
     jaccard = inter / (2 * k - inter)
-    return torch.stack([torch.tensor(float(a_NK.shape[0]), dtype=torch.float64),
+    return torch.stack([torch.tensor(float(a_NK.shape[0]), dtype=torch.float64, device=inter.device),
                         (inter == k).double().sum(), jaccard.sum()])
 
 
@@ -46,8 +46,8 @@ def layer_drift_sums(a_LNK: list, b_LNK: list) -> tuple[torch.Tensor, torch.Tens
     k = a_LNK[0].shape[1]
     for a, b in zip(a_LNK, b_LNK):
         changed_any |= _overlap(a.long(), b.long()) != k
-    tokens = torch.tensor([float(changed_any.numel()), float(changed_any.sum())],
-                          dtype=torch.float64)
+    tokens = torch.stack([torch.tensor(float(changed_any.numel()), dtype=torch.float64,
+                                       device=changed_any.device), changed_any.double().sum()])
     return per_layer, tokens
 
 

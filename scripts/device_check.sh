@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-GPU proof of the cluster path (NCCL, bf16, every collective of an RL step on a one-rank
-# world), in about 8 minutes on one NVIDIA GPU with Python 3.12 and torch preinstalled, offline:
+# world), in about 5 minutes on one NVIDIA GPU with Python 3.12 and torch preinstalled, offline:
 #
 #   bash scripts/device_check.sh [WHEEL_DIR]      (default: ./wheels)
 #
@@ -13,33 +13,47 @@
 #     megatron-core==0.16.1 hydra-core==1.3.8 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 \
 #     math-verify==0.9.0 latex2sympy2_extended==1.11.0 hydra-submitit-launcher==1.2.0 submitit==1.5.4
 #
-# Steps: the tests marked gpu; the main job on the GPU in bf16 (20 RL steps of the tiny model,
-# world size 1 under NCCL); one RL step of a ~1B-parameter MoE with 512-token responses
-# (tokens/s and model TFLOP/s of the update phase); scripts/gpu_check.py (forward+backward
-# throughput of the same model).
-set -euo pipefail
-cd "$(dirname "$0")/.."
+# Steps: the main job on the GPU in bf16 (20 RL steps of the tiny model, world size 1 under
+# NCCL); 3 RL steps each of GRPO+R2, GRPO+R3 with token TIS, GSPO-token with dynamic sampling and
+# masked overlong responses, GSPO with seq MIS and the HF export at the end; one RL step of a ~1B-parameter MoE with 512-token responses (tokens/s and model TFLOP/s
+# of the update phase); scripts/gpu_check.py (forward+backward throughput of the same model); the
+# tests marked gpu. Each step's output also goes to DEVICE_CHECK_LOG_DIR/STEP.log when it is set.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
 wheels=${1:-wheels}
+log_dir=${DEVICE_CHECK_LOG_DIR:-}   # optional: each step's output is also written there
 site=${TMPDIR:-/tmp}/megatron-gspo-site
 if [ -d "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
-    --upgrade --target "$site" "$wheels"/*
+    --upgrade --target "$site" "$wheels"/* || exit 1
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('GPU:', torch.cuda.get_device_name())"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('GPU:', torch.cuda.get_device_name(), '| torch', torch.__version__)" || exit 1
 
-step() { echo; echo "== $1 ($(date +%T))"; }
+# Every step runs (a failure does not hide what the later steps would show), each under its own
+# time limit; the script fails at the end if any step did.
+failed=()
+step() {  # step NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo; echo "== $name ($(date +%T), limit ${limit}s)"
+  local t0=$SECONDS rc
+  if [ -n "$log_dir" ]; then
+    timeout "$limit" bash -c '"$@"' step "$@" 2>&1 | tee "$log_dir/${name// /_}.log"
+    rc=${PIPESTATUS[0]}
+  else
+    timeout "$limit" bash -c '"$@"' step "$@"; rc=$?
+  fi
+  echo "== $name: exit $rc after $((SECONDS - t0)) s"
+  [ "$rc" -eq 0 ] || failed+=("$name")
+}
 
-step "tests marked gpu"
-python3 -m pytest -q -m gpu tests/gpu
-
-step "main job: tiny MoE, bf16, 20 RL steps, NCCL world of one"
-run_dir=$(mktemp -d)
-python3 -m megatron_gspo parallel.device=cuda parallel.backend=nccl model.params_dtype=bfloat16 \
-  trainer.steps=20 trainer.sft_steps=100 trainer.save_interval=10 logging.progress=false \
-  hydra.run.dir="$run_dir"
-python3 - "$run_dir" <<'PY'
+main_job() {
+  local run_dir; run_dir=$(mktemp -d)
+  python3 -m megatron_gspo parallel.device=cuda parallel.backend=nccl model.params_dtype=bfloat16 \
+    trainer.steps=20 trainer.sft_steps=100 trainer.save_interval=10 logging.progress=false \
+    hydra.run.dir="$run_dir" || return
+  python3 - "$run_dir" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1] + "/metrics.jsonl")]
 steps = [r for r in rows if "train/loss" in r]
@@ -48,10 +62,33 @@ last = steps[-1]
 print(f"20 RL steps: reward {steps[0]['rollout/reward_mean']:.3f} -> {last['rollout/reward_mean']:.3f}, "
       f"{last['perf/step_time_s']:.2f} s/step, {last['perf/tokens_per_s']:.0f} trained tokens/s")
 PY
+}
+export -f main_job
 
-step "one RL step of a ~1B MoE, 512-token responses"
-python3 scripts/rl_step_1b.py --response 512
+variants() {  # 3 RL steps of each algorithm / replay / batch option on the GPU, then the HF export
+  local v run_dir
+  for v in "+arm=grpo_r2" "+arm=grpo_r3 algo.rollout_correction=token_tis" \
+           "algo=gspo_token rollout.dynamic_sampling=true rollout.overlong=mask" \
+           "algo=gspo algo.rollout_correction=seq_mis trainer.export_hf_at_end=true"; do
+    run_dir=$(mktemp -d)
+    echo "-- $v"
+    # shellcheck disable=SC2086  # $v holds several overrides
+    python3 -m megatron_gspo parallel.device=cuda parallel.backend=nccl \
+      model.params_dtype=bfloat16 trainer.steps=3 trainer.sft_steps=20 data.eval_size=32 \
+      logging.progress=false hydra.run.dir="$run_dir" $v 2>&1 | grep -v -i warn | tail -4 || return
+    [ "${PIPESTATUS[0]}" -eq 0 ] || return 1
+  done
+  [ -f "$run_dir/hf/config.json" ] && [ -f "$run_dir/hf/model.safetensors.index.json" ] \
+    && echo "HF export written to $run_dir/hf"
+}
+export -f variants
 
-step "gpu_check: forward+backward throughput"
-python3 scripts/gpu_check.py --steps 5 --warmup 2 --batch 4 --seq 2048
-echo; echo "device check passed ($(date +%T))"
+step "main job" 240 main_job   # tiny MoE, bf16, 20 RL steps, NCCL world of one
+step "variants" 200 variants
+step "rl step 1b" 150 python3 scripts/rl_step_1b.py --response 512   # ~1B MoE, 512-token responses
+step "gpu check" 120 python3 scripts/gpu_check.py --steps 5 --warmup 2 --batch 4 --seq 2048
+step "gpu tests" 120 python3 -m pytest -q -m gpu tests/gpu
+
+echo
+if [ ${#failed[@]} -eq 0 ]; then echo "device check passed ($(date +%T))"; else
+  echo "device check FAILED: ${failed[*]} ($(date +%T))"; exit 1; fi

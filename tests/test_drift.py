@@ -10,7 +10,7 @@ import torch
 
 from tests.trainer_workers import SHORT, merge, to_overrides
 
-from moe.drift import load_metrics, expert_counts, topk_agreement
+from moe.drift import expert_counts, layer_drift_sums, load_metrics, topk_agreement
 from moe.records import (RoutingRecord, RoutingRecordError, index_dtype, local_moe_layers,
                          packed_routes, padded_routes, rank_targets, routes_from_rank)
 
@@ -27,6 +27,19 @@ def test_topk_agreement_hand_computed():
     assert m["jaccard"].item() == pytest.approx((1 + 1 / 3 + 0 + 1) / 4)
     with pytest.raises(ValueError, match="both be"):
         topk_agreement(a, b[:3])
+
+
+def test_drift_sums_stay_on_the_routes_device():
+    """The sums are made where the routes live (on a GPU run, the CUDA device: a host-made tensor
+    stacked with device tensors fails there). The meta device stands in for CUDA here: mixing it
+    with host tensors raises the same way."""
+    a = [torch.tensor([[0, 1], [2, 3]]).to("meta")] * 2
+    per_layer, tokens = layer_drift_sums(a, a)
+    assert per_layer.device.type == "meta" and per_layer.shape == (2, 3)
+    assert tokens.device.type == "meta" and tokens.shape == (2,)
+    per_layer, tokens = layer_drift_sums([torch.tensor([[0, 1], [2, 3]])] * 2,
+                                         [torch.tensor([[1, 0], [2, 4]])] * 2)
+    assert per_layer.tolist() == [[2.0, 1.0, 1 + 1 / 3]] * 2 and tokens.tolist() == [2.0, 1.0]
 
 
 def test_load_metrics_hand_computed_with_idle_experts():

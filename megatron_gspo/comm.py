@@ -75,3 +75,16 @@ def gather_ints(value: int, *, device: torch.device, group=None) -> list:
     out = torch.empty(size, dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(out, mine, group=group)
     return [int(x) for x in out.tolist()]
+
+
+def all_gather_vector(values: torch.Tensor, *, device: torch.device, group=None) -> list:
+    """Every rank's 1-D integer ``values`` (lengths may differ), in group rank order, as lists
+    (two all-gathers: the sizes, then the values padded to the longest)."""
+    sizes = gather_ints(values.numel(), device=device, group=group)
+    longest = max(sizes)
+    mine = torch.zeros(longest, dtype=torch.int64, device=device)
+    mine[:values.numel()] = values.reshape(-1).to(device=device, dtype=torch.int64)
+    out = torch.empty(len(sizes) * longest, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(out, mine, group=group)
+    flat = out.tolist()
+    return [flat[r * longest:r * longest + n] for r, n in enumerate(sizes)]

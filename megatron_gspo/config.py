@@ -396,7 +396,11 @@ class TrainerConfig:
     """The loop: steps, optimizer and LR schedule, SFT warm-up, checkpoints, fault handling."""
 
     steps: int = 60  # RL steps (rollout batches)
-    micro_batch_size: int = 8  # rows per micro-batch per data-parallel rank
+    micro_batch_size: int = 8  # rows per micro-batch per data-parallel rank (padded mode)
+    # Packing: each mini-batch's rows balanced over the data-parallel ranks by tokens and packed
+    # back to back (THD) into micro-batches of at most max_tokens_per_micro_batch tokens.
+    packing: bool = False
+    max_tokens_per_micro_batch: int = 8192
     lr: float = 1e-3
     min_lr: float = 0.0
     lr_warmup_steps: int = 0  # in optimizer updates
@@ -421,7 +425,7 @@ class TrainerConfig:
 
     def validate(self) -> "TrainerConfig":
         for key in ("steps", "micro_batch_size", "sft_batch_size", "keep_checkpoints",
-                    "max_consecutive_skips"):
+                    "max_consecutive_skips", "max_tokens_per_micro_batch"):
             if getattr(self, key) < 1:
                 raise _err(f"trainer.{key}", getattr(self, key), "must be >= 1", "set a value >= 1")
         for key in ("lr", "sft_lr"):

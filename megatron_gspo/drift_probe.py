@@ -1,7 +1,10 @@
 """Expert drift measured inside the RL step (``moe.instrument`` does the math and the logging).
 
-- update drift: the routes of the same tokens (the step's first micro-batch) on the old policy and
-  after the first optimizer update: the paper's "experts that change after one gradient update";
+- update drift: the routes of the same tokens on the old policy and after the first optimizer
+  update: the paper's "experts that change after one gradient update". The tokens are those of
+  the rows of data-parallel rank 0's first padded micro-batch (the first ``micro_batch_size`` rows
+  of mini-batch 0), on every layout: with packing, each rank probes those of them it holds,
+  packed (a rank holding none feeds one padding segment);
 - rollout/train drift: the routes the engine used when generating vs the trainer's forward of the
   same tokens with the same weights (numerical mismatch between the two stacks);
 - expert load of the step's first micro-batch.
@@ -14,10 +17,10 @@ from __future__ import annotations
 
 import os
 
-import torch
 
 from megatron_gspo.policy import logprob_pass
-from megatron_gspo.rl_batch import engine_route_targets, router_view
+from megatron_gspo.rl_batch import (Layout, micro_batch, route_targets, router_view,
+                                    width_multiple)
 from moe.instrument import (DriftLog, drift_between, expert_load, local_layers_of,
                             num_moe_layers)
 from moe.report import summary_line, write_report
@@ -30,6 +33,7 @@ class DriftProbe:
         self.num_layers = num_moe_layers(job.model)
         self.log = DriftLog(run_dir, writer, enabled=ctx.rank == 0)
         self._before = None
+        self._counted = True  # whether this rank's probed tokens count (set per step)
 
     def _natural_routes(self, run, mbs) -> list:
         _, routes = logprob_pass(run.ddp, mbs, self.ctx, temperature=self.job.rollout.temperature,
@@ -41,20 +45,30 @@ class DriftProbe:
                              pp_group=self.ctx.pp_group, device=self.ctx.device,
                              counted=self._counted)
 
-    @property
-    def _counted(self) -> bool:
-        """Only data-parallel rank 0's first micro-batch is measured (its tensor, pipeline and
-        context-parallel ranks together hold all of it): the same tokens on every layout."""
-        return self.ctx.dp_rank == 0
+    def _probe(self, batch) -> Layout:
+        """The probed rows' micro-batch layout on this rank (see the module's docstring)."""
+        size, k = self.job.trainer.micro_batch_size, self.job.algo.minibatches
+        if batch.layouts is None:  # padded: rank 0's first micro-batch, counted there only
+            self._counted = self.ctx.dp_rank == 0
+            return Layout(tuple(range(0, min(size * k, batch.rows), k)))
+        self._counted = True
+        probed = {(0, j) for j in range(0, size * k, k)}
+        rows = [i for i, origin in enumerate(batch.origin) if origin in probed]
+        return Layout.packed_rows(rows, [int(batch.lengths_B[i]) for i in rows],
+                                  seq_multiple=2 * self.ctx.cp if self.ctx.cp > 1 else 1,
+                                  row_multiple=width_multiple(self.ctx))
 
-    def before_updates(self, run, batch, mbs0, rows0, routes, step: int) -> dict:
-        """Routes of the first micro-batch on the old policy; rollout/train drift and load.
-        Padding positions are left out of every measure."""
-        if self.job.replay.mode == "none" or (self.job.replay.mode == "r2" and routes):
-            before = routes[:1]
-        else:  # R3 replayed the engine's routes: record the trainer's own
-            before = self._natural_routes(run, mbs0)
-        self._valid = _router_mask(batch, rows0, self.ctx)
+    def before_updates(self, run, batch, routes, step: int) -> dict:
+        """Routes of the probed rows on the old policy; rollout/train drift and load. Padding
+        positions are left out of every measure."""
+        layout = self._probe(batch)
+        self._mbs = [micro_batch(batch, layout, run.tokenizer.pad_id)]
+        reuse = (batch.layouts is None and routes
+                 and self.job.replay.mode in ("none", "r2"))  # the old pass's first forward
+        before = routes[:1] if reuse else self._natural_routes(run, self._mbs)
+        valid = layout.valid(batch.lengths_B, batch.width)
+        self._valid = router_view(valid[:, :, None, None].long(), [0], self.ctx,
+                                  layout=layout)[0][:, 0].bool()
         before = _keep(before, self._valid, self.ctx.device)
         self._before = before
         out = {}
@@ -64,15 +78,16 @@ class DriftProbe:
         self.log.load(step, load)
         out["moe/load/max_share"] = float(load["share"].max())
         if batch.routes is not None:
-            engine = _keep(run_targets(run, batch, rows0), self._valid, self.ctx.device)
+            engine = _keep([route_targets(batch, layout, layers=self.layers, ctx=self.ctx)],
+                           self._valid, self.ctx.device)
             m = self._between(engine, before)
             self.log.drift(step, "rollout_train", m)
             out["moe/drift/rollout_train/mean"] = float(m["changed_fraction"])
             out["moe/drift/rollout_train/tokens_changed"] = float(m["tokens_changed"])
         return out
 
-    def after_first_update(self, run, mbs0, step: int) -> dict:
-        after = _keep(self._natural_routes(run, mbs0), self._valid, self.ctx.device)
+    def after_first_update(self, run, step: int) -> dict:
+        after = _keep(self._natural_routes(run, self._mbs), self._valid, self.ctx.device)
         m = self._between(self._before, after)
         self.log.drift(step, "update", m)
         return {"moe/drift/update/mean": float(m["changed_fraction"]),
@@ -86,18 +101,6 @@ class DriftProbe:
         for s in write_report([self.run_dir], path):
             print(summary_line(s))
         print(f"drift report: {path}")
-
-
-def run_targets(run, batch, rows: list) -> list:
-    """The engine's routes of ``rows`` (one micro-batch), as this rank's routers see them."""
-    return engine_route_targets(batch, rows, len(rows), layers=run.drift.layers, ctx=run.ctx)
-
-
-def _router_mask(batch, rows: list, ctx):
-    """[N] True for the real (not padding) tokens of ``rows``, in the order this rank's routers
-    see them."""
-    valid_BS = torch.arange(batch.width)[None] < batch.lengths_B[torch.tensor(rows), None]
-    return router_view(valid_BS[:, :, None, None].long(), [0], ctx)[0][:, 0].bool()
 
 
 def _keep(routes: list, valid_N, device) -> list:

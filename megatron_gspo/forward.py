@@ -25,7 +25,7 @@ from megatron_gspo.seqshard import packed_zigzag_index, zigzag_index
 
 # Per-token fields of a micro-batch ([B, S]); context parallelism splits each of them.
 _TOKEN_FIELDS = ("tokens_BS", "targets_BS", "position_ids_BS", "old_logp_BS", "loss_mask_BS",
-                 "ref_logp_BS")
+                 "ref_logp_BS", "seq_BS")
 
 
 @dataclass
@@ -41,8 +41,27 @@ class MicroBatch:
     advantages_B: Optional[torch.Tensor] = None
     ref_logp_BS: Optional[torch.Tensor] = None  # reference policy, for the KL term
     # Packed sequences (B = 1, THD): cumulative sequence lengths of the whole row (also on a
-    # context-parallel share, as Megatron's attention and RoPE expect them).
+    # context-parallel share, as Megatron's attention and RoPE expect them), and each token's
+    # sequence (segment) index; ``advantages_B`` then holds one value per segment (or per token).
     cu_seqlens: Optional[torch.Tensor] = None
+    seq_BS: Optional[torch.Tensor] = None
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences of the loss: rows, or the segments of a packed row."""
+        return len(self.cu_seqlens) - 1 if self.packed else self.tokens_BS.shape[0]
+
+    def response_counts(self) -> torch.Tensor:
+        """[sequences] response tokens of each sequence (of this share of it, under CP)."""
+        if not self.packed:
+            return self.loss_mask_BS.sum(1)
+        out = torch.zeros(self.num_seqs, dtype=self.loss_mask_BS.dtype,
+                          device=self.loss_mask_BS.device)
+        return out.index_add(0, self.seq_BS.reshape(-1), self.loss_mask_BS.reshape(-1))
 
     def packed_seq_params(self):
         if self.cu_seqlens is None:

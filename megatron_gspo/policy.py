@@ -20,18 +20,19 @@ from megatron_gspo.config import AlgoConfig
 from megatron_gspo.faults import NonFiniteGuard, all_finite
 from megatron_gspo.forward import MicroBatch, forward_backward, last_stage_metrics
 from megatron_gspo.logprobs import token_logprobs
-from megatron_gspo.losses import combine_metrics, metric_kind, policy_loss
+from megatron_gspo.losses import combine_metrics, metric_kind, policy_loss, shard_policy_loss
 from megatron_gspo.optim import zero_grads
 from megatron_gspo.parallel import ParallelContext
-from megatron_gspo.seqshard import SequenceReducer
+from megatron_gspo.seqshard import SequenceReducer, TokenShard
 
 
 def logprob_pass(model, mbs: list[MicroBatch], ctx: ParallelContext, *, temperature: float,
                  replay=None, record: bool = False, targets=None):
-    """Forward-only log-probs of every micro-batch's targets, [B, S] on the host of every rank
-    (pipeline stages and context-parallel ranks all hold the batch's behaviour log-probs). With
-    ``record``, also the routes of each micro-batch's forward (this rank's tokens); with
-    ``targets``, those routes are replayed."""
+    """Forward-only log-probs of every micro-batch's targets: a list with one host tensor per
+    micro-batch ([B, S] rows, or [1, N] packed), on every rank (pipeline stages and
+    context-parallel ranks all hold the batch's behaviour log-probs). With ``record``, also the
+    routes of each micro-batch's forward (this rank's tokens); with ``targets``, those routes are
+    replayed."""
 
     def loss_fn(mb, logits):
         logp, _ = token_logprobs(logits, mb.targets_BS, group=ctx.tp_group, temperature=temperature)
@@ -48,25 +49,23 @@ def logprob_pass(model, mbs: list[MicroBatch], ctx: ParallelContext, *, temperat
         out = forward_backward(model, mbs, ctx, loss_fn, forward_only=True)
     if record and targets is None:
         routes = recorded.forwards
-    b = sum(mb.tokens_BS.shape[0] for mb in mbs)
-    local = mbs[0].cp_index(ctx.cp, ctx.cp_rank).numel()
-    logp = (torch.cat([o["logp"] for o in out]) if out
-            else torch.zeros(b, local, device=ctx.device))
-    comm.broadcast_tensor(logp, src_in_group=ctx.pp - 1, group=ctx.pp_group)
-    return gather_context_parallel(logp, mbs[0], ctx).cpu(), routes
-
-
-def gather_context_parallel(values_BC: torch.Tensor, mb: MicroBatch, ctx: ParallelContext
-                            ) -> torch.Tensor:
-    """[B, S] whole rows from every context-parallel rank's [B, C] share (forward-only values such
-    as behaviour log-probs; the losses never gather per-token values)."""
-    parts = [torch.empty_like(values_BC) for _ in range(ctx.cp)]
-    dist.all_gather(parts, values_BC.contiguous(), group=ctx.cp_group)
-    full = torch.empty(values_BC.shape[0], mb.tokens_BS.shape[1], dtype=values_BC.dtype,
-                       device=values_BC.device)
-    for rank, part in enumerate(parts):
-        full[:, mb.cp_index(ctx.cp, rank).to(values_BC.device)] = part
-    return full
+    # This rank's share of every micro-batch, flat: one broadcast from the last stage, one
+    # all-gather over the context-parallel ranks (their shares are equal in size).
+    shapes = [(mb.tokens_BS.shape[0], mb.cp_index(ctx.cp, ctx.cp_rank).numel()) for mb in mbs]
+    flat = (torch.cat([o["logp"].reshape(-1) for o in out]) if out
+            else torch.zeros(sum(b * c for b, c in shapes), device=ctx.device))
+    comm.broadcast_tensor(flat, src_in_group=ctx.pp - 1, group=ctx.pp_group)
+    parts = [torch.empty_like(flat) for _ in range(ctx.cp)]
+    dist.all_gather(parts, flat.contiguous(), group=ctx.cp_group)
+    parts = [p.cpu() for p in parts]
+    values, at = [], 0
+    for mb, (b, c) in zip(mbs, shapes):
+        full = torch.empty(b, mb.tokens_BS.shape[1], dtype=flat.dtype)
+        for rank, part in enumerate(parts):
+            full[:, mb.cp_index(ctx.cp, rank)] = part[at:at + b * c].reshape(b, c)
+        values.append(full)
+        at += b * c
+    return values, routes
 
 
 @dataclass
@@ -118,10 +117,17 @@ def policy_update(ddp, optimizer, mbs: list[MicroBatch], ctx: ParallelContext, a
     def loss_fn(mb, logits):
         logp, ent = token_logprobs(logits, mb.targets_BS, group=ctx.tp_group, temperature=temperature,
                                    with_entropy=True)
-        loss, metrics = policy_loss(
-            algo.name, logp, mb.old_logp_BS, mb.advantages_B, mb.loss_mask_BS,
-            clip_low=algo.clip_low, clip_high=algo.clip_high, normalizer=normalizer,
-            ref_logprobs=mb.ref_logp_BS, entropy=ent, reducer=reducer, **options)
+        kwargs = dict(clip_low=algo.clip_low, clip_high=algo.clip_high, normalizer=normalizer,
+                      reducer=reducer, **options)
+        if mb.packed:  # the row's segments are the sequences
+            shard = TokenShard.from_packed(logp, mb.old_logp_BS, mb.advantages_B, mb.loss_mask_BS,
+                                           mb.seq_BS, mb.num_seqs, ref_logp_1N=mb.ref_logp_BS,
+                                           entropy_1N=ent)
+            loss, metrics = shard_policy_loss(algo.name, shard, **kwargs)
+        else:
+            loss, metrics = policy_loss(algo.name, logp, mb.old_logp_BS, mb.advantages_B,
+                                        mb.loss_mask_BS, ref_logprobs=mb.ref_logp_BS, entropy=ent,
+                                        **kwargs)
         return loss * ctx.dp, metrics
 
     zero_grads(ddp, optimizer)
@@ -224,18 +230,7 @@ def normalizer_for(algo: AlgoConfig, mbs: list[MicroBatch], ctx: ParallelContext
     data-parallel rank: each rank divides its loss by it, so that the ranks' losses are shares
     of the mini-batch loss."""
     if algo.aggregation == "seq_mean":
-        local = sum(float((mb.loss_mask_BS.sum(1) > 0).sum()) for mb in mbs)
+        local = sum(float((mb.response_counts() > 0).sum()) for mb in mbs)
     else:
         local = sum(float(mb.loss_mask_BS.sum()) for mb in mbs)
     return max(comm.reduce_sum(local, device=ctx.device, group=ctx.dp_group), 1.0)
-
-
-def attach_ref(mbs: list[MicroBatch], ref_logp_BS: Optional[torch.Tensor], rows: list) -> None:
-    """Give each micro-batch its rows' reference log-probs (KL term)."""
-    if ref_logp_BS is None:
-        return
-    start = 0
-    for mb in mbs:
-        n = mb.tokens_BS.shape[0]
-        mb.ref_logp_BS = ref_logp_BS[torch.tensor(rows[start:start + n])]
-        start += n

@@ -1,19 +1,31 @@
 """From generated samples to the trainer's batch: padded rows, response masks, advantages, the
 engine's log-probs and routes, cut into mini-batches and micro-batches.
 
+The batch itself stays in padded rows on the host (every per-token value of the step, whatever
+the layout of the passes, lives at ``[row, position]``). A ``Layout`` says which rows one
+micro-batch feeds and how: as padded rows ``[B, S]``, or packed back to back in one THD row
+``[1, N]`` (``trainer.packing``). Micro-batches are built from their layout (``micro_batch``),
+values computed per micro-batch go back to the batch through it (``Layout.scatter``), and with
+packing the rows first move between data-parallel ranks (``exchange_rows``, after
+``packing.plan_step``).
+
 Legend: ``B`` rows on this data-parallel rank (prompts x group), ``S`` padded row width (tokens fed
-to the model; targets are the next tokens), ``L`` MoE layers, ``K`` top-k, ``N`` router tokens.
+to the model; targets are the next tokens), ``N`` tokens of a packed row, ``L`` MoE layers, ``K``
+top-k.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from megatron_gspo import comm
 from megatron_gspo.forward import MicroBatch
+from megatron_gspo.packing import StepPlan, round_up
 from megatron_gspo.rollout.types import Sample
 from megatron_gspo.seqshard import zigzag_index
 from moe.records import RoutingRecord, padded_routes, rank_targets
@@ -33,6 +45,12 @@ class RolloutBatch:
     old_logp_BS: Optional[torch.Tensor] = None  # behaviour log-probs, filled before the updates
     ref_logp_BS: Optional[torch.Tensor] = None  # reference policy (KL term)
     recomputed_logp_BS: Optional[torch.Tensor] = None  # the trainer's pass on the old policy
+    informative_B: Optional[torch.Tensor] = None  # 1.0 where the row's group rewards differ
+    # Micro-batches of each mini-batch (None: padded rows, ``padded_layouts``).
+    layouts: Optional[list] = None
+    # The batch's rows by where the rollout put them ((dp rank, index)); after a packing exchange
+    # they come from several ranks.
+    origin: Optional[list] = None
 
     @property
     def rows(self) -> int:
@@ -44,12 +62,6 @@ class RolloutBatch:
 
     def num_response_tokens(self) -> int:
         return int(self.mask_BS.sum())
-
-
-def round_up(n: int, multiple: int) -> int:
-    """``n`` rounded up to a multiple of ``multiple`` (sequence lengths under sequence
-    parallelism, which splits the sequence over the TP ranks)."""
-    return -(-n // multiple) * multiple
 
 
 def width_multiple(ctx) -> int:
@@ -90,6 +102,215 @@ def build_batch(samples: Sequence[Sample], rewards_B: torch.Tensor, advantages_B
                         routes)
 
 
+# ---------------------------------------------------------------------------------------------
+# Layouts: which rows a micro-batch feeds, padded or packed.
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layout:
+    """One micro-batch's rows of the batch. Padded: ``[len(rows), S]``. Packed: one row of
+    ``N`` tokens, row ``rows[i]``'s fed tokens in segment ``i`` (rounded up to ``seq_multiple``
+    with padding), a trailing padding segment making ``N`` a multiple of ``row_multiple``;
+    ``row_N`` / ``pos_N`` name each token's source (row -1: the padding segment)."""
+
+    rows: tuple
+    cu_seqlens: Optional[torch.Tensor] = None  # packed only, int32 [segments + 1]
+    row_N: Optional[torch.Tensor] = None
+    pos_N: Optional[torch.Tensor] = None
+    valid_N: Optional[torch.Tensor] = None  # a real token of a row (not padding)
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @staticmethod
+    def packed_rows(rows: Sequence[int], lengths: Sequence[int], *, seq_multiple: int = 1,
+                    row_multiple: int = 1) -> "Layout":
+        """``rows`` (fed tokens ``lengths[i]`` each) packed; no rows: one padding segment."""
+        segments = [round_up(n, seq_multiple) for n in lengths]
+        total = sum(segments)
+        pad = round_up(total, row_multiple) - total if total else round_up(1, row_multiple)
+        row_N, pos_N, valid_N = [], [], []
+        for r, n, seg in zip(rows, lengths, segments):
+            row_N.append(torch.full((seg,), r, dtype=torch.long))
+            pos_N.append(torch.arange(seg))
+            valid_N.append(torch.arange(seg) < n)
+        if pad:
+            segments.append(pad)
+            row_N.append(torch.full((pad,), -1, dtype=torch.long))
+            pos_N.append(torch.arange(pad))
+            valid_N.append(torch.zeros(pad, dtype=torch.bool))
+        cu = torch.tensor([0] + segments, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return Layout(tuple(rows), cu, torch.cat(row_N), torch.cat(pos_N), torch.cat(valid_N))
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+    def segment_N(self) -> torch.Tensor:
+        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+        return torch.arange(len(lengths)).repeat_interleave(lengths)
+
+    def gather(self, values_BS: torch.Tensor, fill=0) -> torch.Tensor:
+        """The micro-batch's share of a per-token batch tensor: [len(rows), S] or [1, N]."""
+        if not self.packed:
+            return values_BS[torch.tensor(self.rows, dtype=torch.long)]
+        width = values_BS.shape[1]
+        out = values_BS[self.row_N.clamp(min=0), self.pos_N.clamp(max=width - 1)]
+        return torch.where(self.valid_N, out, torch.full_like(out, fill))[None]
+
+    def scatter(self, out_BS: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the micro-batch's per-token ``values`` (as ``gather`` returns them) back."""
+        if not self.packed:
+            out_BS[torch.tensor(self.rows, dtype=torch.long)] = values.to(out_BS.dtype)
+            return
+        v = self.valid_N
+        out_BS[self.row_N[v], self.pos_N[v]] = values[0, v].to(out_BS.dtype)
+
+    def valid(self, lengths_B: torch.Tensor, width: int) -> torch.Tensor:
+        """[len(rows), S] or [1, N]: True on the real tokens."""
+        if self.packed:
+            return self.valid_N[None]
+        rows = torch.tensor(self.rows, dtype=torch.long)
+        return torch.arange(width)[None] < lengths_B[rows, None]
+
+
+def padded_layouts(num_rows: int, minibatches: int, size: int) -> list[list[Layout]]:
+    """Padded micro-batches of ``size`` rows of each mini-batch (``minibatch_rows``)."""
+    return [[Layout(tuple(rows[i:i + size])) for i in range(0, len(rows), size)]
+            for rows in minibatch_rows(num_rows, minibatches)]
+
+
+def packed_layouts(plan: StepPlan, dp_rank: int, lengths_B: torch.Tensor, *, seq_multiple: int,
+                   row_multiple: int) -> list[list[Layout]]:
+    """This rank's packed micro-batches of each mini-batch, its batch holding the plan's rows in
+    the plan's order (``exchange_rows``)."""
+    out, start = [], 0
+    for sizes in plan.micro_batch_sizes(dp_rank):
+        per_k = []
+        for n in sizes:
+            rows = list(range(start, start + n))
+            per_k.append(Layout.packed_rows(rows, [int(lengths_B[r]) for r in rows],
+                                            seq_multiple=seq_multiple, row_multiple=row_multiple))
+            start += n
+        out.append(per_k)
+    return out
+
+
+def layouts_of(batch: RolloutBatch, minibatches: int, size: int) -> list[list[Layout]]:
+    return batch.layouts if batch.layouts is not None else padded_layouts(batch.rows, minibatches,
+                                                                          size)
+
+
+def micro_batch(batch: RolloutBatch, layout: Layout, pad_id: int) -> MicroBatch:
+    """A micro-batch with what the passes and losses need, from the batch's rows."""
+    old = None if batch.old_logp_BS is None else layout.gather(batch.old_logp_BS)
+    ref = None if batch.ref_logp_BS is None else layout.gather(batch.ref_logp_BS)
+    if not layout.packed:
+        rows = torch.tensor(layout.rows, dtype=torch.long)
+        t = batch.tokens_BS1[rows]
+        return MicroBatch(t[:, :-1], t[:, 1:], old_logp_BS=old, loss_mask_BS=batch.mask_BS[rows],
+                          advantages_B=batch.advantages_B[rows], ref_logp_BS=ref)
+    inputs = layout.gather(batch.tokens_BS1[:, :-1], fill=pad_id)
+    targets = layout.gather(batch.tokens_BS1[:, 1:], fill=pad_id)
+    adv = batch.advantages_B
+    if adv.dim() == 2:  # per-token advantages (token-level rollout correction)
+        adv = layout.gather(adv)
+    else:  # one per segment; the padding segment gets 0
+        adv = torch.zeros(layout.num_segments, dtype=adv.dtype)
+        adv[:len(layout.rows)] = batch.advantages_B[torch.tensor(layout.rows, dtype=torch.long)]
+    return MicroBatch(inputs, targets, position_ids_BS=layout.pos_N[None].clone(),
+                      old_logp_BS=old, loss_mask_BS=layout.gather(batch.mask_BS),
+                      advantages_B=adv, ref_logp_BS=ref, cu_seqlens=layout.cu_seqlens,
+                      seq_BS=layout.segment_N()[None])
+
+
+def route_targets(batch: RolloutBatch, layout: Layout, *, layers, ctx) -> list:
+    """The engine's routes of one micro-batch as this rank's routers see them (per local MoE
+    layer, [N, K] in Megatron's [s, b] order): R3 targets and rollout/train drift."""
+    lengths = [int(batch.lengths_B[i]) for i in layout.rows]
+    records = [batch.routes[i] for i in layout.rows]
+    if not layout.packed:
+        routes = padded_routes(records, lengths, batch.width)
+        return router_view(routes, layers, ctx)
+    any_record = batch.routes[0]
+    routes = padded_routes([any_record], [0], layout.row_N.numel())  # fill routes
+    if records:
+        routes[0, layout.valid_N] = torch.cat([rec.indices()[:n]
+                                               for rec, n in zip(records, lengths)])
+    return router_view(routes, layers, ctx, layout=layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing's exchange of rows between data-parallel ranks.
+# ---------------------------------------------------------------------------------------------
+
+def exchange_rows(batch: RolloutBatch, plan: StepPlan, ctx, *, num_experts: int = 0
+                  ) -> RolloutBatch:
+    """This rank's rows of ``plan`` (from every data-parallel rank that generated them), in the
+    plan's order: three all-to-alls over the data-parallel group on the run's device (token ids;
+    float values; routes when the batch has them), each rank sending only the rows another needs.
+    The padded width is the same on every rank (``row_width``)."""
+    me, ranks, device = ctx.dp_rank, ctx.dp, ctx.device
+    width = batch.width
+    wanted = [plan.rows_of(r) for r in range(ranks)]  # every rank's rows, in its order
+    send = [[j for (src, j) in wanted[dst] if src == me] for dst in range(ranks)]
+    recv = [[row for row in wanted[me] if row[0] == src] for src in range(ranks)]
+    lengths = comm.all_gather_vector(batch.lengths_B, device=device, group=ctx.dp_group)
+
+    def exchange(rows_out: list, rows_in: list, pack, unit, dtype, inner=()):
+        out_sizes = [sum(unit(me, j) for j in rows) for rows in rows_out]
+        in_sizes = [sum(unit(src, j) for _, j in rows) for src, rows in enumerate(rows_in)]
+        flat_out = (torch.cat([pack(j) for rows in rows_out for j in rows]) if any(rows_out)
+                    else torch.zeros((0, *inner), dtype=dtype))
+        buf_in = torch.empty((sum(in_sizes), *inner), dtype=dtype, device=device)
+        dist.all_to_all_single(buf_in, flat_out.to(device=device, dtype=dtype).contiguous(),
+                               output_split_sizes=in_sizes, input_split_sizes=out_sizes,
+                               group=ctx.dp_group)
+        return buf_in.cpu()
+
+    one = (lambda src, j: 1)
+    ids = exchange(send, recv, lambda j: batch.tokens_BS1[j][None], one, torch.int64, (width + 1,))
+    has_info = batch.informative_B is not None
+
+    def floats(j):
+        scalars = [batch.advantages_B[j], batch.rewards_B[j], batch.lengths_B[j].float(),
+                   batch.informative_B[j] if has_info else torch.tensor(0.0)]
+        return torch.cat([batch.mask_BS[j], batch.engine_logp_BS[j],
+                          torch.stack([x.float() for x in scalars])])[None]
+
+    vals = exchange(send, recv, floats, one, torch.float32, (2 * width + 4,))
+    routes = None
+    if batch.routes is not None:
+        layers, top_k = batch.routes[0].experts_TLK.shape[1:]
+        got = exchange(send, recv,
+                       lambda j: batch.routes[j].indices()[:int(batch.lengths_B[j])].to(torch.int32),
+                       lambda src, j: int(lengths[src][j]), torch.int32, (layers, top_k))
+    # Received rows arrive grouped by source; put them in the plan's order.
+    position, at = {}, 0
+    for src, rows in enumerate(recv):
+        for row in rows:
+            position[row] = at
+            at += 1
+    order = torch.tensor([position[row] for row in wanted[me]], dtype=torch.long)
+    ids, vals = ids[order], vals[order]
+    if batch.routes is not None:
+        starts, at = {}, 0
+        for src, rows in enumerate(recv):
+            for row in rows:
+                starts[row] = at
+                at += int(lengths[src][row[1]])
+        routes = [RoutingRecord.from_indices(got[starts[row]:starts[row] + int(lengths[row[0]][row[1]])]
+                                             .long(), num_experts) for row in wanted[me]]
+    w = width
+    return dataclasses.replace(
+        batch, tokens_BS1=ids, mask_BS=vals[:, :w].contiguous(),
+        engine_logp_BS=vals[:, w:2 * w].contiguous(), advantages_B=vals[:, 2 * w].contiguous(),
+        rewards_B=vals[:, 2 * w + 1].contiguous(), lengths_B=vals[:, 2 * w + 2].long(),
+        informative_B=vals[:, 2 * w + 3].contiguous() if has_info else None, routes=routes,
+        origin=list(wanted[me]))
+
+
 def micro_batches(batch: RolloutBatch, rows: Sequence[int], size: int) -> list[MicroBatch]:
     """``rows`` of the batch as micro-batches of ``size`` rows, with what the losses need."""
     out = []
@@ -117,23 +338,15 @@ def update_order(num_rows: int, minibatches: int) -> list[int]:
     return [r for rows in minibatch_rows(num_rows, minibatches) for r in rows]
 
 
-def router_view(x_BSLK: torch.Tensor, layers, ctx) -> list:
-    """Per-token values of whole rows ([B, S, L, K]) as this rank's routers see them: its
-    context-parallel zigzag share, then its sequence-parallel slice, per local MoE layer [N, K]
-    in Megatron's [s, b] order."""
-    return rank_targets(x_BSLK, layers=layers, cp=ctx.cp, cp_rank=ctx.cp_rank,
-                        cp_index=zigzag_index(x_BSLK.shape[1], ctx.cp, ctx.cp_rank),
+def router_view(x_BSLK: torch.Tensor, layers, ctx, layout: Optional[Layout] = None) -> list:
+    """Per-token values of whole rows ([B, S, L, K]; a packed row [1, N, L, K] with its
+    ``layout``) as this rank's routers see them: its context-parallel zigzag share (per sequence
+    when packed), then its sequence-parallel slice, per local MoE layer [N, K] in Megatron's
+    [s, b] order."""
+    if layout is not None and layout.packed and ctx.cp > 1:
+        index = MicroBatch(x_BSLK[..., 0, 0], x_BSLK[..., 0, 0],
+                           cu_seqlens=layout.cu_seqlens).cp_index(ctx.cp, ctx.cp_rank)
+    else:
+        index = zigzag_index(x_BSLK.shape[1], ctx.cp, ctx.cp_rank)
+    return rank_targets(x_BSLK, layers=layers, cp=ctx.cp, cp_rank=ctx.cp_rank, cp_index=index,
                         tp=ctx.tp, tp_rank=ctx.tp_rank, sequence_parallel=ctx.sequence_parallel)
-
-
-def engine_route_targets(batch: RolloutBatch, rows: Sequence[int], size: int, *, layers, ctx
-                         ) -> list:
-    """The engine's routes of ``rows``, per micro-batch and local MoE layer, as this rank's routers
-    see them ([N, K] in Megatron's [s, b] order): R3 targets and rollout/train drift."""
-    out = []
-    for start in range(0, len(rows), size):
-        part = list(rows[start:start + size])
-        routes = padded_routes([batch.routes[i] for i in part],
-                               [int(batch.lengths_B[i]) for i in part], batch.width)
-        out.append(router_view(routes, layers, ctx))
-    return out

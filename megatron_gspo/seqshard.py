@@ -65,6 +65,20 @@ class TokenShard:
             advantages_N=advantages.reshape(-1) if per_token else None,
             ref_logp_N=flat(ref_logp_BT), entropy_N=flat(entropy_BT))
 
+    @staticmethod
+    def from_packed(logp_1N, old_logp_1N, advantages, mask_1N, seq_1N, num_seqs: int, *,
+                    ref_logp_1N=None, entropy_1N=None) -> "TokenShard":
+        """A packed row [1, N] (or this rank's share of it) whose tokens belong to sequences
+        ``seq_1N`` in ``[0, num_seqs)``; ``advantages`` is [num_seqs] or per token [1, N]."""
+        flat = (lambda x: None if x is None else x.reshape(-1))
+        per_token = advantages.dim() == 2
+        return TokenShard(
+            logp_N=flat(logp_1N), old_logp_N=flat(old_logp_1N),
+            mask_N=flat(mask_1N).to(logp_1N.dtype), seq_N=flat(seq_1N).long(), num_seqs=num_seqs,
+            advantages_S=None if per_token else advantages,
+            advantages_N=flat(advantages) if per_token else None,
+            ref_logp_N=flat(ref_logp_1N), entropy_N=flat(entropy_1N))
+
     def select(self, index_N: torch.Tensor) -> "TokenShard":
         """The shard holding only tokens ``index_N`` (a CP chunk, a micro-batch's tokens)."""
         pick = (lambda x: None if x is None else x[index_N])

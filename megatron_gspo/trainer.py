@@ -44,13 +44,14 @@ from megatron_gspo.metrics import RunLogger
 from megatron_gspo.model import build_model
 from megatron_gspo.optim import (OptimConfig, build_optimizer, build_scheduler, wrap_ddp)
 from megatron_gspo.parallel import ParallelContext, init_parallel
-from megatron_gspo.policy import (attach_ref, logprob_pass, normalizer_for, policy_update,
-                                  sft_micro_batches, sft_update)
+from megatron_gspo.packing import plan_step
+from megatron_gspo.policy import (logprob_pass, normalizer_for, policy_update, sft_micro_batches,
+                                  sft_update)
 from megatron_gspo.policy_io import export_hf_dir, hf_config_at
 from megatron_gspo.rewards import get_reward
 from megatron_gspo.rewards.pool import InlineScorer, RewardPool, make_scorer
-from megatron_gspo.rl_batch import (build_batch, engine_route_targets, micro_batches,
-                                    minibatch_rows, round_up, row_width, update_order,
+from megatron_gspo.rl_batch import (build_batch, exchange_rows, layouts_of, micro_batch,
+                                    packed_layouts, round_up, route_targets, row_width,
                                     width_multiple)
 from megatron_gspo.rollout.local_engine import LocalEngine
 from megatron_gspo.rollout.sglang_engine import SGLangEngine, init_weights_update_group
@@ -242,23 +243,44 @@ def reward_failures(run: Run, failures: int) -> dict:
 
 
 def make_batch(run: Run, samples, rewards):
-    """The step's padded rows with group advantages, after ``rollout.overlong`` (soft penalty on
-    the rewards, or no loss on truncated responses); and the overlong metrics."""
-    r, metrics = run.job.rollout, {}
+    """The step's rows with group advantages, after ``rollout.overlong`` (soft penalty on the
+    rewards, or no loss on truncated responses); with ``trainer.packing``, the rows each
+    data-parallel rank trains (balanced by tokens) and their packed micro-batches. Returns the
+    batch and the overlong metrics."""
+    r, ctx, metrics = run.job.rollout, run.ctx, {}
     if r.overlong == "soft_penalty":
         lengths = torch.tensor([len(s.response_ids) for s in samples])
         penalty = overlong_penalty(lengths, r.max_new_tokens, r.overlong_buffer).float()
         rewards = rewards + penalty
         metrics["rollout/overlong_penalty"] = _dp_mean(run, float(penalty.sum()), len(samples))
     adv = group_advantages(rewards, r.group_size, scale=run.job.algo.scale_advantages)
-    width = row_width(samples, device=run.ctx.device, multiple_of=width_multiple(run.ctx))
+    width = row_width(samples, device=ctx.device, multiple_of=width_multiple(ctx))
     batch = build_batch(samples, rewards, adv, width=width, pad_id=run.tokenizer.pad_id,
                         num_experts=run.job.model.num_experts)
+    batch.informative_B = informative_groups(rewards, r.group_size).float()
     if r.overlong == "mask":
         cut = torch.tensor([s.finish_reason == "length" for s in samples])
         batch.mask_BS[cut] = 0.0
         metrics["rollout/overlong_masked"] = _dp_mean(run, float(cut.sum()), len(samples))
+    if run.job.trainer.packing:
+        batch = pack_batch(run, batch)
     return batch, metrics
+
+
+def pack_batch(run: Run, batch):
+    """Packing: every rank plans the step from all ranks' row lengths, receives its rows and
+    cuts them into packed micro-batches (``megatron_gspo.packing``)."""
+    ctx, t = run.ctx, run.job.trainer
+    lengths = comm.all_gather_vector(batch.lengths_B, device=ctx.device, group=ctx.dp_group)
+    seq_multiple = 2 * ctx.cp if ctx.cp > 1 else 1
+    row_multiple = width_multiple(ctx)
+    plan = plan_step(lengths, minibatches=run.job.algo.minibatches,
+                     budget=t.max_tokens_per_micro_batch, seq_multiple=seq_multiple,
+                     row_multiple=row_multiple)
+    batch = exchange_rows(batch, plan, ctx, num_experts=run.job.model.num_experts)
+    batch.layouts = packed_layouts(plan, ctx.dp_rank, batch.lengths_B, seq_multiple=seq_multiple,
+                                   row_multiple=row_multiple)
+    return batch
 
 
 def _dp_mean(run: Run, total: float, count: int) -> float:
@@ -267,44 +289,54 @@ def _dp_mean(run: Run, total: float, count: int) -> float:
     return total / max(count, 1.0)
 
 
-def _targets(run: Run, batch, rows):
-    """Engine routes of ``rows`` for this rank's routers (R3 and the rollout/train drift)."""
-    return engine_route_targets(batch, rows, run.job.trainer.micro_batch_size,
-                                layers=run.drift.layers if run.drift else _local_layers(run),
-                                ctx=run.ctx)
+def _layouts(run: Run, batch) -> list:
+    """The micro-batch layouts of each mini-batch (packed, or padded rows)."""
+    return layouts_of(batch, run.job.algo.minibatches, run.job.trainer.micro_batch_size)
+
+
+def _micro_batches(run: Run, batch, layouts) -> list:
+    return [micro_batch(batch, layout, run.tokenizer.pad_id) for layout in layouts]
+
+
+def _targets(run: Run, batch, layouts) -> list:
+    """Engine routes of each micro-batch for this rank's routers (R3 and rollout/train drift)."""
+    layers = run.drift.layers if run.drift else _local_layers(run)
+    return [route_targets(batch, layout, layers=layers, ctx=run.ctx) for layout in layouts]
+
+
+def _unpack(batch, layouts, values: list) -> torch.Tensor:
+    """Per-micro-batch values back in the batch's [B, S] rows."""
+    out = torch.zeros(batch.rows, batch.width)
+    for layout, v in zip(layouts, values):
+        layout.scatter(out, v)
+    return out
 
 
 def old_logprobs(run: Run, batch):
     """Behaviour log-probs of the whole batch on the current (old) policy, and the routes of
-    each micro-batch's forward (recorded; or under R3, the engine's, replayed)."""
+    each micro-batch's forward (recorded; or under R3, the engine's, replayed), in the order
+    the updates consume them."""
     job = run.job
-    rows = update_order(batch.rows, job.algo.minibatches)
-    mbs = micro_batches(batch, rows, job.trainer.micro_batch_size)
+    layouts = [layout for per_k in _layouts(run, batch) for layout in per_k]
+    mbs = _micro_batches(run, batch, layouts)
     temp = job.rollout.temperature
     routes = None
     if job.algo.old_logprobs == "engine" and job.replay.mode == "none" and run.drift is None:
         batch.old_logp_BS = batch.engine_logp_BS.clone()
     else:
-        r3 = _targets(run, batch, rows) if job.replay.mode == "r3" else None
+        r3 = _targets(run, batch, layouts) if job.replay.mode == "r3" else None
         record = run.replay is not None and r3 is None
         logp, routes = logprob_pass(run.ddp, mbs, run.ctx, temperature=temp, replay=run.replay,
                                     record=record, targets=r3)
-        logp = _unorder(logp, rows)
+        logp = _unpack(batch, layouts, logp)
         routes = r3 if r3 is not None else routes
         batch.old_logp_BS = (batch.engine_logp_BS.clone() if job.algo.old_logprobs == "engine"
                              else logp)
         batch.recomputed_logp_BS = logp
     if run.ref_model is not None:
         ref, _ = logprob_pass(run.ref_model, mbs, run.ctx, temperature=temp)
-        batch.ref_logp_BS = _unorder(ref, rows)
+        batch.ref_logp_BS = _unpack(batch, layouts, ref)
     return routes
-
-
-def _unorder(values_BS: torch.Tensor, rows: list) -> torch.Tensor:
-    """Rows computed in ``rows`` order, back in batch order."""
-    out = torch.empty_like(values_BS)
-    out[torch.tensor(rows)] = values_BS
-    return out
 
 
 def correct_for_the_engine(run: Run, batch) -> dict:
@@ -330,16 +362,16 @@ def correct_for_the_engine(run: Run, batch) -> dict:
 
 def update(run: Run, batch, routes):
     """K mini-batch updates; the first is on-policy (ratio 1), later ones are off-policy."""
-    job, size = run.job, run.job.trainer.micro_batch_size
+    job = run.job
     results, drift = [], {}
     replaying = job.replay.mode in ("r2", "r3")
-    step = run.step + 1
-    for k, rows in enumerate(minibatch_rows(batch.rows, job.algo.minibatches)):
-        mbs = micro_batches(batch, rows, size)
+    step, done = run.step + 1, 0
+    for k, layouts in enumerate(_layouts(run, batch)):
+        mbs = _micro_batches(run, batch, layouts)
         if k == 0 and run.drift is not None:
-            drift.update(run.drift.before_updates(run, batch, mbs[:1], rows[:size], routes, step))
-        attach_ref(mbs, batch.ref_logp_BS, rows)
-        targets = routes[k * len(mbs):(k + 1) * len(mbs)] if replaying else None
+            drift.update(run.drift.before_updates(run, batch, routes, step))
+        targets = routes[done:done + len(mbs)] if replaying else None
+        done += len(mbs)
         run.updates += 1
         result = policy_update(
             run.ddp, run.optimizer, mbs, run.ctx, job.algo, temperature=job.rollout.temperature,
@@ -350,7 +382,7 @@ def update(run: Run, batch, routes):
             run.scheduler.step(1)
         results.append(result)
         if k == 0 and run.drift is not None:
-            drift.update(run.drift.after_first_update(run, mbs[:1], step))
+            drift.update(run.drift.after_first_update(run, step))
     return results, drift
 
 
@@ -406,7 +438,7 @@ def step_metrics(run: Run, step, batch, samples, results, drift, timers, seconds
     recomputed = batch.recomputed_logp_BS
     mismatch_sum = 0.0 if recomputed is None else float(
         ((batch.engine_logp_BS - recomputed).abs() * mask).sum())
-    informative = informative_groups(batch.rewards_B, run.job.rollout.group_size).double()
+    informative = batch.informative_B.double()
     (reward_sum, reward_sq, length_sum, truncated, informative_sum, mismatch, tokens,
      n) = comm.reduce_values(
         [rewards.sum(), (rewards ** 2).sum(), sum(len(s.response_ids) for s in samples),
@@ -459,7 +491,9 @@ def setup(job: JobConfig) -> Run:
     run_dir = os.path.abspath(job.run_dir)
     m = job.model
     routes_needed = m.is_moe and (job.replay.mode != "none" or job.logging.drift)
-    gpt = build_model(m, ctx, moe_enable_routing_replay=routes_needed)
+    # Packed micro-batches differ in length: pipeline stages then exchange each one's shape.
+    gpt = build_model(m, ctx, moe_enable_routing_replay=routes_needed,
+                      variable_seq_lengths=job.trainer.packing and ctx.pp > 1)
     replay = RoutingReplay(gpt) if routes_needed else None
     ddp = wrap_ddp(gpt, ctx)
     engine = make_engine(job, gpt, ctx, replay, tokenizer)

@@ -20,13 +20,14 @@ def _logprobs(hf_dir, ctx, tokens_BS, sequences):
     load_hf_weights(gpt, hf_dir, cfg, ctx)
     mbs = [MicroBatch(t[:, :-1], t[:, 1:]) for t in tokens_BS.chunk(2)]
     padded, _ = logprob_pass(gpt, mbs, ctx, temperature=1.0)
+    padded = torch.cat(padded)
     chunks = 2 * ctx.cp
     packed = pack_sequences(sequences, multiple_of=chunks * (ctx.tp if ctx.sequence_parallel else 1),
                             seq_multiple_of=chunks)
     mb = MicroBatch(packed.tokens_1N, packed.targets_1N, packed.position_ids_1N,
                     cu_seqlens=packed.cu_seqlens)
     packed_logp, _ = logprob_pass(gpt, [mb], ctx, temperature=1.0)
-    return padded, packed_logp[0][packed.valid_N]
+    return padded, packed_logp[0][0][packed.valid_N]
 
 
 def cp_job(hf_dir, parallel_kwargs, logprob_inputs, cases):
@@ -64,7 +65,7 @@ def _sft(hf_dir, ctx, tokens_BS):
     loss, accuracy = sft_update(ddp, opt, mbs, ctx, normalizer=tokens, guard=NonFiniteGuard(3),
                                 where="test")
     after, _ = logprob_pass(ddp, mbs, ctx, temperature=1.0)
-    return {"loss": loss, "accuracy": accuracy, "after": after}
+    return {"loss": loss, "accuracy": accuracy, "after": torch.cat(after)}
 
 
 def _update(hf_dir, ctx, tokens_BS, delta_BS, adv_B, mask_BS, algo_name, replay_mode):
@@ -112,7 +113,7 @@ def _update(hf_dir, ctx, tokens_BS, delta_BS, adv_B, mask_BS, algo_name, replay_
                    for _ in mbs]
     old, routes = logprob_pass(ddp, mbs, ctx, temperature=1.0, replay=replay,
                                record=replay_mode == "r2", targets=targets)
-    old_rows = torch.cat([old[0::1]])
+    old_rows = torch.cat(old)
     order = list(range(0, len(tokens_BS), 2)) + list(range(1, len(tokens_BS), 2))
     full = torch.empty_like(old_rows)
     full[torch.tensor(order)] = old_rows
@@ -123,5 +124,5 @@ def _update(hf_dir, ctx, tokens_BS, delta_BS, adv_B, mask_BS, algo_name, replay_
                            where="test", replay=replay, targets=replayed)
     after, _ = logprob_pass(ddp, mbs, ctx, temperature=1.0, replay=replay, targets=replayed)
     return {"metrics": {k: float(v) for k, v in result.metrics.items()},
-            "grad_norm": result.grad_norm, "after": after[torch.tensor(order).argsort()],
+            "grad_norm": result.grad_norm, "after": torch.cat(after)[torch.tensor(order).argsort()],
             "values_sent": result.extra.get("cp_values_sent")}

@@ -7,7 +7,9 @@ Behaves like SGLang where it matters: sampling is random (its own RNG, seeded fr
 the server was started ``deterministic`` and a row carries a ``sampling_seed`` (then the noise is
 keyed by seed and position, as SGLang's deterministic inference does); it has ``tp`` tensor-
 parallel ranks, TP rank i reading entry i of ``serialized_named_tensors``; requests take
-``latency_s`` before any work. Test hooks: POST /_fault {"mode": "500"|"hang"|"drop"|"malformed",
+``latency_s`` before any work; with ``logprob_shifts`` it reports perturbed log-probs (a response's
+all shifted by ``logprob_shifts[sum(response ids) % len]``), as an engine that disagrees with the
+trainer by a known amount per sequence. Test hooks: POST /_fault {"mode": "500"|"hang"|"drop"|"malformed",
 "count": n} fails the next n requests; GET /_stats reports requests in flight (now and at most),
 /generate requests and rows served, and the tensor payloads read. Runs in its own process:
 ``start(hf_dir, ...)`` returns (url, process)."""
@@ -27,7 +29,7 @@ SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_
                  "sampling_seed", "n", "stop", "min_p", "ignore_eos"}
 
 
-def _serve(hf_dir, ready, tp, deterministic, latency_s):
+def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
     import warnings
 
     import torch
@@ -67,7 +69,11 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s):
                 "finish_reason": ({"type": "stop", "matched": s.response_ids[-1]}
                                   if s.finish_reason == "stop"
                                   else {"type": "length", "length": len(s.response_ids)})}
-        meta["output_token_logprobs"] = [[float(lp), int(t), None] for lp, t in
+        # A perturbed engine: every log-prob of a response shifted by
+        # logprob_shifts[sum(response ids) % len(logprob_shifts)].
+        shift = (logprob_shifts[sum(s.response_ids) % len(logprob_shifts)]
+                 if logprob_shifts else 0.0)
+        meta["output_token_logprobs"] = [[float(lp) + shift, int(t), None] for lp, t in
                                          zip(s.logprobs_R, s.response_ids)]
         rows = torch.zeros(s.routes_TLK.shape[0], cfg.num_layers, cfg.top_k,
                            dtype=torch.int32)  # dense layers stay zero, as in sglang
@@ -286,11 +292,11 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s):
 
 
 def start(hf_dir: str, *, tp: int = 1, deterministic: bool = False, latency_s: float = 0.0,
-          timeout_s: float = 120.0):
+          logprob_shifts: tuple = (), timeout_s: float = 120.0):
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
-    proc = ctx.Process(target=_serve, args=(hf_dir, ready, tp, deterministic, latency_s),
-                       daemon=True)
+    proc = ctx.Process(target=_serve, args=(hf_dir, ready, tp, deterministic, latency_s,
+                                            tuple(logprob_shifts)), daemon=True)
     proc.start()
     port = ready.get(timeout=timeout_s)
     return f"http://127.0.0.1:{port}", proc

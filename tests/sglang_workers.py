@@ -68,3 +68,34 @@ def job(hf_dir: str, url: str, run_dir: str, **over) -> dict:
     cfg["trainer"] = {**cfg["trainer"], "init_from": hf_dir}
     cfg["run_dir"] = os.path.join(run_dir)
     return cfg
+
+
+def rollout_correction_job(cfg: dict) -> dict:
+    """One step's batch from the stand-in through the old-policy pass and the rollout correction
+    (1 rank): per row, its response ids and its advantage before and after the correction; and
+    the correction's metrics."""
+    import torch
+
+    from megatron_gspo import trainer
+    from megatron_gspo.config import job_from_dict
+
+    run = trainer.setup(job_from_dict(cfg))
+    try:
+        trainer.init_weights(run, cfg["trainer"]["init_from"])
+        records, samples = trainer.rollout(run, 1)
+        rewards, _ = trainer.score(run, records, samples)
+        batch, _ = trainer.make_batch(run, samples, rewards)
+        batch.advantages_B = torch.linspace(-1, 1, batch.rows)  # no row without a signal
+        before = batch.advantages_B.clone()
+        trainer.old_logprobs(run, batch)
+        metrics = trainer.correct_for_the_engine(run, batch)
+        responses = [batch.tokens_BS1[i, 1:][batch.mask_BS[i] > 0].tolist()
+                     for i in range(batch.rows)]
+        return {"responses": responses, "before": before.tolist(),
+                "after": batch.advantages_B.tolist(), "metrics": metrics,
+                "mismatch": float(((batch.recomputed_logp_BS - batch.engine_logp_BS).abs()
+                                   * batch.mask_BS).sum() / batch.mask_BS.sum())}
+    finally:
+        run.signals.uninstall()
+        run.scorer.close()
+        run.logger.close()

@@ -121,3 +121,36 @@ def test_gspo_refuses_token_weights():
         policy_loss("gspo", logp, old, adv, mask, weights=weights)
     with pytest.raises(ValueError, match="valid: none, token_tis, seq_tis, seq_mis"):
         rollout_weights(old, old, mask, mode="tis")
+
+
+SHIFTS = (0.0, 0.3, -1.5, 1.5)  # per response, by sum(response ids) % 4 (tests.sglang_standin)
+
+
+def test_seq_mis_through_a_perturbed_engine(tiny_hf_checkpoint, tmp_path):
+    """The stand-in SGLang server reports every log-prob of a response shifted by a known
+    amount: seq MIS (band [0.5, 2]) zeroes exactly the responses whose ratio
+    exp(mean(old - engine)) = exp(-shift) falls outside the band (shifts of +-1.5), keeps the
+    others' advantages bitwise, and logs the masked fraction."""
+    from tests.distributed import run_ranks
+    from tests.sglang_standin import start
+    from tests.sglang_workers import job, rollout_correction_job
+
+    url, proc = start(tiny_hf_checkpoint, logprob_shifts=SHIFTS)
+    try:
+        cfg = job(tiny_hf_checkpoint, url, str(tmp_path / "run"),
+                  algo={"name": "gspo", "rollout_correction": "seq_mis",
+                        "rollout_correction_low": 0.5, "rollout_correction_high": 2.0})
+        out = run_ranks(rollout_correction_job, 1, cfg)[0]
+    finally:
+        proc.kill()
+        proc.join()
+    assert out["mismatch"] > 0.1  # the engine disagrees (unperturbed: < 1e-4)
+    masked = []
+    for response, before, after in zip(out["responses"], out["before"], out["after"]):
+        shift = SHIFTS[sum(response) % len(SHIFTS)]
+        outside = not 0.5 <= math.exp(-shift) <= 2.0
+        masked.append(outside)
+        assert after == (0.0 if outside else before), (response, shift, before, after)
+    assert 0 < sum(masked) < len(masked)  # both kinds occur
+    got = out["metrics"]["train/rollout_correction/masked_fraction"]
+    assert got == pytest.approx(sum(masked) / len(masked), abs=1e-12)

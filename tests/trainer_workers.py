@@ -66,13 +66,15 @@ def _forced_micro_batches(run) -> list:
     import torch
 
     from megatron_gspo import trainer
-    from megatron_gspo.rl_batch import micro_batches
+    from megatron_gspo.rl_batch import Layout, micro_batch
 
     records, samples = trainer.rollout(run, 1)
     batch, _ = trainer.make_batch(run, samples, trainer.score(run, records, samples)[0])
     batch.advantages_B = torch.linspace(-1, 1, batch.rows)
     trainer.old_logprobs(run, batch)
-    return micro_batches(batch, list(range(batch.rows)), run.job.trainer.micro_batch_size)
+    size = run.job.trainer.micro_batch_size
+    return [micro_batch(batch, Layout(tuple(range(i, min(i + size, batch.rows)))),
+                        run.tokenizer.pad_id) for i in range(0, batch.rows, size)]
 
 
 def nan_update_job(cfg: dict) -> dict:

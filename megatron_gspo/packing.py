@@ -1,0 +1,116 @@
+"""Packing plan of an RL step: which rows each data-parallel rank trains, and how its rows of each
+mini-batch are packed (THD) into micro-batches under a token budget. Pure functions of the rows'
+lengths: every rank computes the same plan from the same all-gathered lengths, so no rank has to
+tell another what it will do.
+
+The plan keeps the padded mode's mini-batches (row ``j`` of every rank's rollout batch belongs to
+mini-batch ``j mod M``), so packed and padded updates see the same responses. Within a mini-batch:
+
+1. its rows are split over the data-parallel ranks so that their token counts balance (sorted
+   greedy: longest first, each to the rank with the fewest tokens so far; advantages are computed
+   before, so a group may be split);
+2. each rank's share is packed first-fit-decreasing into micro-batches of at most
+   ``budget`` tokens (a longer row gets a micro-batch of its own);
+3. every rank runs the same number of micro-batches (the largest count, so that expert-parallel
+   all-to-alls pair up): a rank with fewer spreads its rows over that many, balanced, when they
+   fit the budget, and otherwise adds empty (padding-only) micro-batches.
+
+Costs are the tokens a row occupies once packed: its fed tokens rounded up to ``seq_multiple``
+(2 x cp under context parallelism, each sequence split in 2 x cp zigzag chunks).
+
+Legend: ``R`` data-parallel ranks, ``M`` mini-batches. A row is named ``(rank, index)`` by where
+the rollout put it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+Row = tuple[int, int]  # (data-parallel rank that generated it, its index there)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def balanced_partition(costs: Sequence[int], parts: int) -> list[list[int]]:
+    """Indices of ``costs`` in ``parts`` groups of balanced sums (longest-processing-time greedy:
+    largest first, each to the group with the smallest sum, then fewest items, then lowest index).
+    Each group lists its indices in increasing order."""
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    sums = [0] * parts
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        g = min(range(parts), key=lambda p: (sums[p], len(groups[p]), p))
+        groups[g].append(i)
+        sums[g] += costs[i]
+    return [sorted(g) for g in groups]
+
+
+def first_fit_bins(costs: Sequence[int], budget: int, row_multiple: int = 1) -> list[list[int]]:
+    """Indices of ``costs`` in bins whose total, rounded up to ``row_multiple``, stays within
+    ``budget`` (first fit, largest first); an item over the budget alone gets its own bin. Bins in
+    order of creation, each listing its indices in increasing order."""
+    bins: list[list[int]] = []
+    sums: list[int] = []
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        for b in range(len(bins)):
+            if round_up(sums[b] + costs[i], row_multiple) <= budget:
+                bins[b].append(i)
+                sums[b] += costs[i]
+                break
+        else:
+            bins.append([i])
+            sums.append(costs[i])
+    return [sorted(b) for b in bins]
+
+
+def micro_batch_bins(costs: Sequence[int], budget: int, count: int, row_multiple: int = 1
+                     ) -> list[list[int]]:
+    """Exactly ``count`` bins (``count`` >= the first-fit number): balanced over ``count`` when
+    that respects the budget, else first fit plus empty bins."""
+    fit = first_fit_bins(costs, budget, row_multiple)
+    if len(fit) > count:
+        raise ValueError(f"{len(fit)} bins needed, {count} allowed")
+    spread = balanced_partition(costs, count)
+    if all(round_up(sum(costs[i] for i in b), row_multiple) <= budget or len(b) <= 1
+           for b in spread):
+        return spread
+    return fit + [[] for _ in range(count - len(fit))]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What every data-parallel rank trains in one step.
+
+    ``micro[r][k]`` lists rank ``r``'s micro-batches of mini-batch ``k``, each a list of rows; the
+    rank's batch after the exchange holds its rows in that order (mini-batch after mini-batch,
+    micro-batch after micro-batch), so each micro-batch is a contiguous run of its rows.
+    """
+
+    micro: tuple  # [R][M] -> list of micro-batches -> list of Row
+
+    def rows_of(self, rank: int) -> list[Row]:
+        return [row for per_k in self.micro[rank] for mb in per_k for row in mb]
+
+    def micro_batch_sizes(self, rank: int) -> list[list[int]]:
+        """[M] -> rows per micro-batch of ``rank``."""
+        return [[len(mb) for mb in per_k] for per_k in self.micro[rank]]
+
+
+def plan_step(lengths: Sequence[Sequence[int]], *, minibatches: int, budget: int,
+              seq_multiple: int = 1, row_multiple: int = 1) -> StepPlan:
+    """The plan for rows of ``lengths[r][j]`` fed tokens on data-parallel rank ``r`` (see the
+    module's docstring). ``row_multiple``: what a packed micro-batch's length is rounded up to."""
+    ranks = len(lengths)
+    per_rank: list[list[list[list[Row]]]] = [[] for _ in range(ranks)]
+    for k in range(minibatches):
+        rows = [(r, j) for r in range(ranks) for j in range(k, len(lengths[r]), minibatches)]
+        costs = [round_up(lengths[r][j], seq_multiple) for r, j in rows]
+        shares = balanced_partition(costs, ranks)
+        counts = [len(first_fit_bins([costs[i] for i in s], budget, row_multiple)) for s in shares]
+        count = max(max(counts), 1)
+        for r, share in enumerate(shares):
+            bins = micro_batch_bins([costs[i] for i in share], budget, count, row_multiple)
+            per_rank[r].append([[rows[share[i]] for i in b] for b in bins])
+    return StepPlan(tuple(tuple(x) for x in per_rank))

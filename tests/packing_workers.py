@@ -1,0 +1,77 @@
+"""Packed vs padded RL steps on spawned ranks: the same responses (synthetic, long-tailed lengths,
+random rewards, engine log-probs and routes) through the trainer's own phases, once with padded
+rows and once packed, from the same seeded weights."""
+
+from __future__ import annotations
+
+from tests.trainer_workers import SHORT, merge
+
+# 4 prompts x 4 responses per data-parallel rank in 2 mini-batches; padded micro-batches of 2
+# rows; packed micro-batches of at most 40 tokens (rows are 3 to 29 tokens).
+PACKING = merge(SHORT, {"rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 24},
+                        "algo": {"minibatches": 2},
+                        "trainer": {"micro_batch_size": 2, "max_tokens_per_micro_batch": 40,
+                                    "sft_steps": 0, "lr": 1e-3}})
+
+
+def synthetic_samples(job, dp: int, dp_rank: int):
+    """This data-parallel rank's responses: prompts of 3-6 tokens, responses of 1-24 tokens
+    (lognormal, capped), random engine log-probs and routes, rewards in {0, 1}."""
+    import torch
+
+    from megatron_gspo.rollout.types import Sample
+
+    g = torch.Generator().manual_seed(1000 + dp_rank)
+    m, r = job.model, job.rollout
+    n = (r.prompts_per_step // dp) * r.group_size
+    samples = []
+    for i in range(n):
+        p = int(torch.randint(3, 7, (), generator=g))
+        resp = int(min(r.max_new_tokens, max(1, torch.empty(()).log_normal_(1.5, 0.8,
+                                                                              generator=g))))
+        ids = torch.randint(3, m.vocab_size, (p + resp,), generator=g).tolist()
+        routes = torch.rand(p + resp - 1, m.num_layers, m.num_experts,
+                            generator=g).argsort(-1)[..., :m.top_k]
+        samples.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:],
+                              logprobs_R=-torch.rand(resp, generator=g) * 3,
+                              finish_reason="length" if resp == r.max_new_tokens else "stop",
+                              routes_TLK=routes, prompt_index=i // r.group_size))
+    rewards = (torch.rand(n, generator=g) < 0.5).float()
+    return samples, rewards
+
+
+def rl_step_job(cfg: dict) -> dict:
+    """One RL step of ``cfg`` on the synthetic responses; rank-local results: every update's loss
+    and grad norm, and the updated policy's log-probs of this rank's responses (padded rows,
+    response tokens)."""
+    import torch
+
+    from megatron_gspo import trainer
+    from megatron_gspo.config import job_from_dict
+    from megatron_gspo.policy import logprob_pass
+    from megatron_gspo.rl_batch import Layout, build_batch, micro_batch
+
+    job = job_from_dict(cfg)
+    run = trainer.setup(job)
+    trainer.init_weights(run, "")
+    trainer.build_rl_optimizer(run)
+    samples, rewards = synthetic_samples(job, run.ctx.dp, run.ctx.dp_rank)
+    batch, _ = trainer.make_batch(run, samples, rewards)
+    routes = trainer.old_logprobs(run, batch)
+    trainer.correct_for_the_engine(run, batch)
+    results, drift = trainer.update(run, batch, routes)
+    mine = build_batch(samples, rewards, torch.zeros(len(samples)), width=batch.width,
+                       pad_id=run.tokenizer.pad_id, num_experts=job.model.num_experts)
+    mbs = [micro_batch(mine, Layout(tuple(range(i, min(i + 4, mine.rows)))), run.tokenizer.pad_id)
+           for i in range(0, mine.rows, 4)]
+    after, _ = logprob_pass(run.ddp, mbs, run.ctx, temperature=1.0)
+    after = torch.cat(after)
+    run.signals.uninstall()
+    run.scorer.close()
+    run.logger.close()
+    return {"loss": [float(r.metrics["loss"]) for r in results],
+            "grad_norm": [r.grad_norm for r in results],
+            "clip_fraction": [float(r.metrics.get("clip_fraction", 0.0)) for r in results],
+            "after": after[mine.mask_BS > 0], "drift": drift,
+            "micro_batches": [len(per_k) for per_k in (batch.layouts or [])],
+            "tokens": int(batch.lengths_B.sum())}

@@ -1,0 +1,141 @@
+"""Packing (trainer.packing): the plan (rows balanced over data-parallel ranks by tokens, packed
+under a token budget, the same number of micro-batches on every rank), packed layouts, and one RL
+step packed vs padded on 1 rank, DP=2, CP=2 and TP=2+SP: the same loss, grad norm and updated
+log-probs, for each algorithm, with R2 and R3, and with rollout correction."""
+
+import random
+import tempfile
+
+import pytest
+import torch
+
+from megatron_gspo.packing import (balanced_partition, first_fit_bins, micro_batch_bins,
+                                   plan_step, round_up)
+from megatron_gspo.rl_batch import Layout
+from tests.distributed import run_layouts
+from tests.packing_workers import PACKING, rl_step_job
+from tests.trainer_workers import merge
+
+
+def long_tailed(n, seed, cap=256):
+    rng = random.Random(seed)
+    return [min(cap, max(2, int(rng.lognormvariate(3.5, 0.9)))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("ranks,minibatches,budget,seq_multiple,row_multiple",
+                         [(1, 1, 512, 1, 1), (2, 2, 300, 1, 1), (4, 4, 256, 4, 8),
+                          (3, 2, 200, 2, 2)])
+def test_the_plan_covers_every_row_once_balanced_and_within_budget(ranks, minibatches, budget,
+                                                                   seq_multiple, row_multiple):
+    lengths = [long_tailed(32, seed=r) for r in range(ranks)]
+    plan = plan_step(lengths, minibatches=minibatches, budget=budget, seq_multiple=seq_multiple,
+                     row_multiple=row_multiple)
+    cost = {(r, j): round_up(lengths[r][j], seq_multiple) for r in range(ranks)
+            for j in range(32)}
+    seen = [row for r in range(ranks) for row in plan.rows_of(r)]
+    assert sorted(seen) == sorted(cost)  # every row exactly once
+    for k in range(minibatches):
+        # the padded mode's mini-batch k: row j of every rank with j = k mod M
+        rows_k = [row for r in range(ranks) for mb in plan.micro[r][k] for row in mb]
+        assert sorted(rows_k) == sorted((r, j) for r in range(ranks)
+                                        for j in range(k, 32, minibatches))
+        # the same number of micro-batches on every rank
+        assert len({len(plan.micro[r][k]) for r in range(ranks)}) == 1
+        # tokens balanced: ranks differ by at most the longest row of the mini-batch
+        totals = [sum(cost[row] for mb in plan.micro[r][k] for row in mb) for r in range(ranks)]
+        assert max(totals) - min(totals) <= max(cost[row] for row in rows_k)
+        for r in range(ranks):
+            for mb in plan.micro[r][k]:
+                packed = round_up(sum(cost[row] for row in mb), row_multiple)
+                assert packed <= budget or len(mb) == 1
+    # pure: the same plan on every rank
+    assert plan == plan_step(lengths, minibatches=minibatches, budget=budget,
+                             seq_multiple=seq_multiple, row_multiple=row_multiple)
+
+
+def test_partition_and_bins_by_hand():
+    # largest first, each to the lighter group: 10 | 9, 8 -> 17 | then the 1s go to the 10
+    assert balanced_partition([10, 9, 8, 1, 1, 1], 2) == [[0, 3, 4, 5], [1, 2]]
+    assert first_fit_bins([6, 5, 4, 3, 2], 10) == [[0, 2], [1, 3, 4]]
+    assert first_fit_bins([12, 3], 10) == [[0], [1]]  # over the budget: a bin of its own
+    # packed lengths round up to row_multiple: 3 + 3 = 6 -> 8 fits 8, not 7
+    assert first_fit_bins([3, 3, 3], 8, row_multiple=4) == [[0, 1], [2]]
+    assert first_fit_bins([3, 3, 3], 7, row_multiple=4) == [[0], [1], [2]]
+    assert micro_batch_bins([5, 1, 1, 1], 6, 3) == [[0], [1, 3], [2]]  # spread over 3, in budget
+    assert micro_batch_bins([5, 5], 10, 3) == [[0], [1], []]  # fewer rows than micro-batches
+    # balanced over 2 (5+4 | 5+3+3 = 11) would break the budget of 10: first fit instead
+    assert micro_batch_bins([5, 5, 4, 3, 3], 10, 2) == [[0, 1], [2, 3, 4]]
+
+
+def test_packed_layout_gathers_and_scatters_rows():
+    values = torch.arange(3 * 6, dtype=torch.float32).reshape(3, 6) + 1
+    layout = Layout.packed_rows([2, 0], [5, 3], seq_multiple=2, row_multiple=4)
+    # segments of 6 and 4 tokens (each rounded to 2), then a padding segment to 12
+    assert layout.cu_seqlens.tolist() == [0, 6, 10, 12]
+    assert layout.valid_N.tolist() == [True] * 5 + [False] + [True] * 3 + [False] * 3
+    got = layout.gather(values)
+    assert got.shape == (1, 12)
+    assert got[0, :5].tolist() == values[2, :5].tolist() and got[0, 6:9].tolist() == values[0, :3].tolist()
+    assert got[0, ~layout.valid_N].abs().sum() == 0
+    back = torch.zeros(3, 6)
+    layout.scatter(back, got)
+    assert back[2, :5].tolist() == values[2, :5].tolist() and back[0, :3].tolist() == values[0, :3].tolist()
+    assert back[1].abs().sum() == 0 and back[2, 5] == 0
+    empty = Layout.packed_rows([], [], seq_multiple=2, row_multiple=4)
+    assert empty.cu_seqlens.tolist() == [0, 4] and not empty.valid_N.any()
+
+
+def close(a, b, rel=1e-5, abs_=1e-7):
+    return abs(a - b) <= rel * max(abs(a), abs(b)) + abs_
+
+
+def _cases(parallel, combos):
+    out = []
+    for algo, replay, correction in combos:
+        for packing in (False, True):
+            cfg = merge(PACKING, {"algo": {"name": algo, "rollout_correction": correction},
+                                  "replay": {"mode": replay}, "trainer": {"packing": packing},
+                                  "parallel": parallel, "run_dir": tempfile.mkdtemp()})
+            out.append((rl_step_job, (cfg,)))
+    return out
+
+
+ONE_RANK = [(a, r, "none") for a in ("gspo", "gspo_token", "grpo") for r in ("none", "r2", "r3")]
+# On two ranks: each algorithm once, each replay once, and rollout correction in both kinds.
+TWO_RANKS = [("gspo", "none", "seq_tis"), ("gspo_token", "r3", "token_tis"), ("grpo", "r2", "none")]
+LAYOUTS = {"dp2": {}, "cp2": {"cp": 2}, "tp2_sp": {"tp": 2, "sequence_parallel": True}}
+
+
+@pytest.fixture(scope="module")
+def steps():
+    out = {"1": (ONE_RANK, run_layouts(1, _cases({}, ONE_RANK)))}
+    cases = [c for parallel in LAYOUTS.values() for c in _cases(parallel, TWO_RANKS)]
+    per_case = run_layouts(2, cases)
+    for i, name in enumerate(LAYOUTS):
+        out[name] = (TWO_RANKS, per_case[i * 2 * len(TWO_RANKS):(i + 1) * 2 * len(TWO_RANKS)])
+    return out
+
+
+@pytest.mark.parametrize("layout", ["1", *LAYOUTS])
+def test_packed_step_equals_padded_step(steps, layout):
+    combos, results = steps[layout]
+    for i, combo in enumerate(combos):
+        padded, packed = results[2 * i], results[2 * i + 1]
+        for rank, (a, b) in enumerate(zip(padded, packed)):
+            for key in ("loss", "grad_norm", "clip_fraction"):
+                assert all(close(x, y) for x, y in zip(a[key], b[key])), (combo, key, a[key], b[key])
+            assert len(a["loss"]) == 2 and a["grad_norm"][0] > 0
+            diff = ((a["after"] - b["after"]).abs() / a["after"].abs().clamp_min(1e-6)).max()
+            assert diff < 1e-5, (combo, rank, float(diff))
+            assert a["after"].numel() == b["after"].numel() > 0
+        # packing fed fewer micro-batches than the padded rows (2 per mini-batch on each rank
+        # here: budget 40 tokens vs 2 rows of up to 29)
+        assert all(n >= 1 for n in packed[0]["micro_batches"])
+
+
+def test_packing_balances_tokens_over_data_parallel_ranks(steps):
+    _, results = steps["dp2"]
+    packed = results[1]  # gspo, packed, both ranks
+    tokens = [r["tokens"] for r in packed]
+    longest = 29
+    assert abs(tokens[0] - tokens[1]) <= 2 * longest  # two mini-batches, each within one row

@@ -399,7 +399,7 @@ class TrainerConfig:
     micro_batch_size: int = 8  # rows per micro-batch per data-parallel rank (padded mode)
     # Packing: each mini-batch's rows balanced over the data-parallel ranks by tokens and packed
     # back to back (THD) into micro-batches of at most max_tokens_per_micro_batch tokens.
-    packing: bool = False
+    packing: bool = True
     max_tokens_per_micro_batch: int = 8192
     lr: float = 1e-3
     min_lr: float = 0.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 
 
+from megatron_gspo import comm
 from megatron_gspo.policy import logprob_pass
 from megatron_gspo.rl_batch import (Layout, micro_batch, route_targets, router_view,
                                     width_multiple)
@@ -54,9 +55,14 @@ class DriftProbe:
         self._counted = True
         probed = {(0, j) for j in range(0, size * k, k)}
         rows = [i for i, origin in enumerate(batch.origin) if origin in probed]
-        return Layout.packed_rows(rows, [int(batch.lengths_B[i]) for i in rows],
-                                  seq_multiple=2 * self.ctx.cp if self.ctx.cp > 1 else 1,
-                                  row_multiple=width_multiple(self.ctx))
+        shape = dict(seq_multiple=2 * self.ctx.cp if self.ctx.cp > 1 else 1,
+                     row_multiple=width_multiple(self.ctx))
+        layout = Layout.packed_rows(rows, [int(batch.lengths_B[i]) for i in rows], **shape)
+        # one length on every data-parallel rank (expert parallelism exchanges equal counts)
+        longest = comm.reduce_max_int(int(layout.cu_seqlens[-1]), device=self.ctx.device,
+                                      group=self.ctx.dp_group)
+        return Layout.packed_rows(rows, [int(batch.lengths_B[i]) for i in rows], length=longest,
+                                  **shape)
 
     def before_updates(self, run, batch, routes, step: int) -> dict:
         """Routes of the probed rows on the old policy; rollout/train drift and load. Padding

@@ -34,14 +34,6 @@ class RMSNorm(torch.nn.RMSNorm):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
 
-def packed_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """[T, T] bool mask (True = may attend) for sequences packed back to back (THD layout)."""
-    positions = torch.arange(total, device=cu_seqlens.device)
-    segment_T = torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)
-    same = segment_T[:, None] == segment_T[None, :]
-    return same & (positions[None, :] <= positions[:, None])
-
-
 def zigzag_causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor,
                        segment_q: Optional[torch.Tensor] = None,
                        segment_k: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -57,7 +49,8 @@ class SDPAttention(DotProductAttention):
     """Core attention through ``torch.nn.functional.scaled_dot_product_attention``.
 
     Flash / memory-efficient kernels on GPU, an exact math kernel on CPU, GQA without materialising
-    repeated K/V, causal, bottom-right causal (decoding with a KV cache) and packed (THD) masks.
+    repeated K/V, causal, bottom-right causal (decoding with a KV cache) and packed (THD) rows
+    (causal attention within each sequence, one sequence at a time).
 
     Context parallelism (Megatron's ``all_gather`` CP communication type): each rank holds the
     zigzag chunks r and 2cp-1-r of every sequence; K and V are all-gathered over the CP group
@@ -120,10 +113,19 @@ class SDPAttention(DotProductAttention):
         v_BGSD = value.permute(1, 2, 0, 3)
 
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        dropout = self.attention_dropout.p if self.training else 0.0
+        if thd and not self.context_parallel:
+            # Causal attention within each packed sequence, one sequence at a time: the work of
+            # the sequences' own lengths (sum of L^2), not of the packed row (N^2) that a
+            # block-diagonal mask over the whole row would cost.
+            bounds = packed_seq_params.cu_seqlens_q.tolist()
+            out_BNSD = torch.cat([F.scaled_dot_product_attention(
+                q_BNSD[:, :, a:b], k_BGSD[:, :, a:b], v_BGSD[:, :, a:b], dropout_p=dropout,
+                is_causal=True, scale=self.softmax_scale, enable_gqa=(n != g))
+                for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dim=2)
+            return out_BNSD.permute(2, 0, 1, 3).reshape(sq, n * d)
         if self.context_parallel:
             pass  # the mask in global positions, from _gather_keys
-        elif thd:
-            mask = packed_causal_mask(packed_seq_params.cu_seqlens_q, sq)
         elif attention_mask is not None:
             mask = ~attention_mask.bool()  # Megatron: True = masked out; SDPA: True = attend
         elif mask_type == AttnMaskType.causal:
@@ -132,7 +134,6 @@ class SDPAttention(DotProductAttention):
             else:  # queries are the last sq positions of sk (decoding with a KV cache)
                 mask = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril(sk - sq)
 
-        dropout = self.attention_dropout.p if self.training else 0.0
         out_BNSD = F.scaled_dot_product_attention(
             q_BNSD, k_BGSD, v_BGSD, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
             scale=self.softmax_scale, enable_gqa=(n != g))

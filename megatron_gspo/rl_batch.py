@@ -125,11 +125,12 @@ class Layout:
 
     @staticmethod
     def packed_rows(rows: Sequence[int], lengths: Sequence[int], *, seq_multiple: int = 1,
-                    row_multiple: int = 1) -> "Layout":
-        """``rows`` (fed tokens ``lengths[i]`` each) packed; no rows: one padding segment."""
+                    row_multiple: int = 1, length: int = 0) -> "Layout":
+        """``rows`` (fed tokens ``lengths[i]`` each) packed; no rows: one padding segment. The
+        padding segment makes the row at least ``length`` tokens long."""
         segments = [round_up(n, seq_multiple) for n in lengths]
         total = sum(segments)
-        pad = round_up(total, row_multiple) - total if total else round_up(1, row_multiple)
+        pad = round_up(max(total, length, 1), row_multiple) - total
         row_N, pos_N, valid_N = [], [], []
         for r, n, seg in zip(rows, lengths, segments):
             row_N.append(torch.full((seg,), r, dtype=torch.long))
@@ -181,19 +182,37 @@ def padded_layouts(num_rows: int, minibatches: int, size: int) -> list[list[Layo
             for rows in minibatch_rows(num_rows, minibatches)]
 
 
-def packed_layouts(plan: StepPlan, dp_rank: int, lengths_B: torch.Tensor, *, seq_multiple: int,
-                   row_multiple: int) -> list[list[Layout]]:
+def packed_layouts(plan: StepPlan, dp_rank: int, lengths: Sequence[Sequence[int]], *,
+                   seq_multiple: int, row_multiple: int, across_ranks: bool = False,
+                   same_length: bool = False) -> list[list[Layout]]:
     """This rank's packed micro-batches of each mini-batch, its batch holding the plan's rows in
-    the plan's order (``exchange_rows``)."""
+    the plan's order (``exchange_rows``); ``lengths[r][j]``: fed tokens of every rank's rows.
+    ``across_ranks``: the k-th micro-batch of a mini-batch has one length on every
+    data-parallel rank (expert parallelism's all-gather dispatcher exchanges equal token
+    counts); ``same_length``: every micro-batch padded to the longest (pipeline stages exchange
+    activations of one shape per pass)."""
+
+    def natural(rows) -> int:
+        total = sum(round_up(lengths[src][j], seq_multiple) for src, j in rows)
+        return round_up(max(total, 1), row_multiple)
+
+    target = [[natural(mb) for mb in per_k] for per_k in plan.micro[dp_rank]]
+    if across_ranks:
+        target = [[max(natural(plan.micro[r][k][i]) for r in range(len(plan.micro)))
+                   for i in range(len(per_k))] for k, per_k in enumerate(target)]
+    if same_length:
+        longest = max(n for per_k in target for n in per_k)
+        target = [[longest] * len(per_k) for per_k in target]
     out, start = [], 0
-    for sizes in plan.micro_batch_sizes(dp_rank):
-        per_k = []
-        for n in sizes:
-            rows = list(range(start, start + n))
-            per_k.append(Layout.packed_rows(rows, [int(lengths_B[r]) for r in rows],
-                                            seq_multiple=seq_multiple, row_multiple=row_multiple))
-            start += n
-        out.append(per_k)
+    for per_k, sizes in zip(plan.micro[dp_rank], target):
+        layouts = []
+        for rows, size in zip(per_k, sizes):
+            local = list(range(start, start + len(rows)))
+            layouts.append(Layout.packed_rows(local, [lengths[src][j] for src, j in rows],
+                                              seq_multiple=seq_multiple,
+                                              row_multiple=row_multiple, length=size))
+            start += len(rows)
+        out.append(layouts)
     return out
 
 

@@ -278,8 +278,13 @@ def pack_batch(run: Run, batch):
                      budget=t.max_tokens_per_micro_batch, seq_multiple=seq_multiple,
                      row_multiple=row_multiple)
     batch = exchange_rows(batch, plan, ctx, num_experts=run.job.model.num_experts)
-    batch.layouts = packed_layouts(plan, ctx.dp_rank, batch.lengths_B, seq_multiple=seq_multiple,
-                                   row_multiple=row_multiple)
+    # Expert parallelism's all-gather dispatcher exchanges equal token counts: the k-th
+    # micro-batch gets one length on every rank. Pipeline stages exchange activations of one
+    # shape per pass (Megatron's variable sequence lengths need the all-to-all dispatcher):
+    # there, all micro-batches share one length.
+    batch.layouts = packed_layouts(plan, ctx.dp_rank, lengths, seq_multiple=seq_multiple,
+                                   row_multiple=row_multiple, across_ranks=ctx.ep > 1,
+                                   same_length=ctx.pp > 1)
     return batch
 
 
@@ -491,9 +496,7 @@ def setup(job: JobConfig) -> Run:
     run_dir = os.path.abspath(job.run_dir)
     m = job.model
     routes_needed = m.is_moe and (job.replay.mode != "none" or job.logging.drift)
-    # Packed micro-batches differ in length: pipeline stages then exchange each one's shape.
-    gpt = build_model(m, ctx, moe_enable_routing_replay=routes_needed,
-                      variable_seq_lengths=job.trainer.packing and ctx.pp > 1)
+    gpt = build_model(m, ctx, moe_enable_routing_replay=routes_needed)
     replay = RoutingReplay(gpt) if routes_needed else None
     ddp = wrap_ddp(gpt, ctx)
     engine = make_engine(job, gpt, ctx, replay, tokenizer)

@@ -1,7 +1,7 @@
 """Packing (trainer.packing): the plan (rows balanced over data-parallel ranks by tokens, packed
 under a token budget, the same number of micro-batches on every rank), packed layouts, and one RL
-step packed vs padded on 1 rank, DP=2, CP=2 and TP=2+SP: the same loss, grad norm and updated
-log-probs, for each algorithm, with R2 and R3, and with rollout correction."""
+step packed vs padded on 1 rank, DP=2, CP=2, TP=2+SP, PP=2 and EP=2: the same loss, grad norm and
+updated log-probs, for each algorithm, with R2 and R3, and with rollout correction."""
 
 import random
 import tempfile
@@ -103,7 +103,8 @@ def _cases(parallel, combos):
 ONE_RANK = [(a, r, "none") for a in ("gspo", "gspo_token", "grpo") for r in ("none", "r2", "r3")]
 # On two ranks: each algorithm once, each replay once, and rollout correction in both kinds.
 TWO_RANKS = [("gspo", "none", "seq_tis"), ("gspo_token", "r3", "token_tis"), ("grpo", "r2", "none")]
-LAYOUTS = {"dp2": {}, "cp2": {"cp": 2}, "tp2_sp": {"tp": 2, "sequence_parallel": True}}
+LAYOUTS = {"dp2": {}, "cp2": {"cp": 2}, "tp2_sp": {"tp": 2, "sequence_parallel": True},
+           "pp2": {"pp": 2}, "ep2": {"ep": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +123,12 @@ def test_packed_step_equals_padded_step(steps, layout):
     for i, combo in enumerate(combos):
         padded, packed = results[2 * i], results[2 * i + 1]
         for rank, (a, b) in enumerate(zip(padded, packed)):
-            for key in ("loss", "grad_norm", "clip_fraction"):
+            for key in ("grad_norm", "clip_fraction"):
                 assert all(close(x, y) for x, y in zip(a[key], b[key])), (combo, key, a[key], b[key])
+            # The loss is a sum of terms of order 1 that cancel down to ~1e-3: fp32 rounding of
+            # the terms (~1e-7) bounds its agreement in absolute terms.
+            assert all(close(x, y, abs_=1e-6) for x, y in zip(a["loss"], b["loss"])), (
+                combo, a["loss"], b["loss"])
             assert len(a["loss"]) == 2 and a["grad_norm"][0] > 0
             diff = ((a["after"] - b["after"]).abs() / a["after"].abs().clamp_min(1e-6)).max()
             assert diff < 1e-5, (combo, rank, float(diff))

@@ -345,18 +345,18 @@ class ReplayConfig:
 
 @dataclass
 class DataConfig:
-    """Prompts and the verifiable reward. ``task`` is a built-in synthetic task (add, reverse) or
+    """Prompts and the verifiable reward. ``task`` is a built-in synthetic task (add, reverse, sort) or
     ``files`` for prompt files (jsonl / parquet) with ``reward`` naming the verifier."""
 
-    task: str = "reverse"  # add | reverse | files
+    task: str = "reverse"  # add | reverse | sort | files
     train_size: int = 2000
     eval_size: int = 200
     max_value: int = 9  # add: operand range
-    min_len: int = 1  # reverse: word length range
+    min_len: int = 1  # reverse, sort: word / digit-string length range
     max_len: int = 4
     files: list = field(default_factory=list)
     eval_files: list = field(default_factory=list)
-    reward: str = "exact_match"  # exact_match | math | code
+    reward: str = "exact_match"  # exact_match | char_match | math | code
     # Rewards in a pool of worker processes (> 0; for code and slow verifiers), else in process;
     # a reward that raises or runs past the timeout scores 0 (rollout/reward_failures).
     reward_workers: int = 0
@@ -364,8 +364,8 @@ class DataConfig:
     tokenizer: str = "builtin"  # builtin | a local Hugging Face tokenizer directory
 
     def validate(self) -> "DataConfig":
-        if self.task not in ("add", "reverse", "files"):
-            raise _err("data.task", self.task, "is unknown", "use add, reverse or files")
+        if self.task not in ("add", "reverse", "sort", "files"):
+            raise _err("data.task", self.task, "is unknown", "use add, reverse, sort or files")
         if self.reward_workers < 0:
             raise _err("data.reward_workers", self.reward_workers, "must be >= 0",
                        "use 0 to score in the trainer process")

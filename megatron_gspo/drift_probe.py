@@ -7,7 +7,10 @@
   packed (a rank holding none feeds one padding segment);
 - rollout/train drift: the routes the engine used when generating vs the trainer's forward of the
   same tokens with the same weights (numerical mismatch between the two stacks);
-- expert load of the step's first micro-batch.
+- expert load of the probed tokens;
+- ratio noise (the mechanism behind GRPO's noisy token ratios on MoE models): the probed response
+  tokens' |log ratio| after the first update, by whether (and in how many layers) their routes
+  changed; the log-probs come from the same passes as the routes.
 
 Under R2 / R3 the training forwards replay routes, so the natural routes come from extra
 forward-only passes of one micro-batch (a small fraction of a step's compute).
@@ -15,13 +18,16 @@ forward-only passes of one micro-batch (a small fraction of a step's compute).
 
 from __future__ import annotations
 
+import math
 import os
 
+import torch
 
 from megatron_gspo import comm
 from megatron_gspo.policy import logprob_pass
 from megatron_gspo.rl_batch import (Layout, micro_batch, route_targets, router_view,
                                     width_multiple)
+from moe.drift import changed_layers, ratio_noise_metrics, ratio_noise_sums
 from moe.instrument import (DriftLog, drift_between, expert_load, local_layers_of,
                             num_moe_layers)
 from moe.report import summary_line, write_report
@@ -36,10 +42,12 @@ class DriftProbe:
         self._before = None
         self._counted = True  # whether this rank's probed tokens count (set per step)
 
-    def _natural_routes(self, run, mbs) -> list:
-        _, routes = logprob_pass(run.ddp, mbs, self.ctx, temperature=self.job.rollout.temperature,
-                                 replay=run.replay, record=True)
-        return routes
+    def _natural(self, run, mbs):
+        """Log-probs ([rows, S] or packed [1, N], on the host) and routes of one forward."""
+        logp, routes = logprob_pass(run.ddp, mbs, self.ctx,
+                                    temperature=self.job.rollout.temperature, replay=run.replay,
+                                    record=True)
+        return logp[0], routes
 
     def _between(self, a, b) -> dict:
         return drift_between(a, b, local_layers=self.layers, num_moe_layers=self.num_layers,
@@ -71,10 +79,15 @@ class DriftProbe:
         self._mbs = [micro_batch(batch, layout, run.tokenizer.pad_id)]
         reuse = (batch.layouts is None and routes
                  and self.job.replay.mode in ("none", "r2"))  # the old pass's first forward
-        before = routes[:1] if reuse else self._natural_routes(run, self._mbs)
+        if reuse:
+            before, self._logp = routes[:1], layout.gather(batch.recomputed_logp_BS)
+        else:
+            self._logp, before = self._natural(run, self._mbs)
         valid = layout.valid(batch.lengths_B, batch.width)
-        self._valid = router_view(valid[:, :, None, None].long(), [0], self.ctx,
-                                  layout=layout)[0][:, 0].bool()
+        view = (lambda x: router_view(x[:, :, None, None], [0], self.ctx, layout=layout)[0][:, 0])
+        self._valid = view(valid.long()).bool()
+        # the position (in the micro-batch) of each token this rank's routers see
+        self._pos = view(torch.arange(valid.numel()).reshape(valid.shape))[self._valid]
         before = _keep(before, self._valid, self.ctx.device)
         self._before = before
         out = {}
@@ -93,12 +106,37 @@ class DriftProbe:
         return out
 
     def after_first_update(self, run, step: int) -> dict:
-        after = _keep(self._natural_routes(run, self._mbs), self._valid, self.ctx.device)
+        logp, routes = self._natural(run, self._mbs)
+        after = _keep(routes, self._valid, self.ctx.device)
         m = self._between(self._before, after)
         self.log.drift(step, "update", m)
+        noise = self._ratio_noise(logp, after)
+        self.log.ratio_noise(step, noise)
         return {"moe/drift/update/mean": float(m["changed_fraction"]),
                 "moe/drift/update/jaccard_mean": float(m["jaccard"]),
-                "moe/drift/update/tokens_changed": float(m["tokens_changed"])}
+                "moe/drift/update/tokens_changed": float(m["tokens_changed"]),
+                # undefined on a step where no probed route changed (or none stayed): left out
+                **{f"moe/drift/ratio_noise/{k}": float(noise[k])
+                   for k in ("changed", "unchanged", "quotient", "changed_tokens")
+                   if not math.isnan(float(noise[k]))}}
+
+    def _ratio_noise(self, logp_after, after) -> dict:
+        """|log ratio| of the probed response tokens (new policy over old) by how many MoE layers
+        changed their routes: the layers' counts completed over the stages (each holds its
+        layers) and over the tensor- and context-parallel ranks (each holds some tokens), then
+        the sums over the data-parallel ranks."""
+        ctx, device = self.ctx, self.ctx.device
+        mb = self._mbs[0]
+        counts = torch.zeros(mb.tokens_BS.numel(), dtype=torch.int64, device=device)
+        counts[self._pos.to(device)] = changed_layers(self._before[0], after[0])
+        comm.reduce_tensor(counts, group=ctx.tp_group, op="max")
+        comm.reduce_tensor(counts, group=ctx.cp_group, op="max")
+        comm.reduce_tensor(counts, group=ctx.pp_group)
+        response = (mb.loss_mask_BS > 0).reshape(-1).to(device)
+        abs_lr = (logp_after - self._logp).abs().reshape(-1).to(device)
+        sums = ratio_noise_sums(abs_lr[response], counts[response], self.num_layers)
+        sums = comm.reduce_tensor(sums * (1.0 if self._counted else 0.0), group=ctx.dp_group)
+        return {k: v.cpu() for k, v in ratio_noise_metrics(sums).items()}
 
     def close(self, ctx) -> None:
         if ctx.rank != 0:

@@ -80,3 +80,38 @@ def load_metrics(counts_LE: torch.Tensor) -> dict:
     entropy = -(torch.where(share > 0, share * share.log(), 0.0)).sum(-1)
     imbalance = share.max(-1).values / share.mean(-1).clamp_min(1e-12)
     return {"share": share, "entropy": entropy, "imbalance": imbalance}
+
+
+def changed_layers(a_LNK: list, b_LNK: list) -> torch.Tensor:
+    """[N] in how many of the given layers each token's top-k set differs between two passes."""
+    k = a_LNK[0].shape[1]
+    out = torch.zeros(a_LNK[0].shape[0], dtype=torch.int64, device=a_LNK[0].device)
+    for a, b in zip(a_LNK, b_LNK):
+        out += (_overlap(a.long(), b.long()) != k).long()
+    return out
+
+
+def ratio_noise_sums(abs_logratio_N: torch.Tensor, changed_layers_N: torch.Tensor,
+                     num_layers: int) -> torch.Tensor:
+    """[2, L + 1] per number of MoE layers whose routes changed (0 .. L): the sum of the tokens'
+    |log ratio| and their count (reducible across ranks)."""
+    out = torch.zeros(2, num_layers + 1, dtype=torch.float64, device=abs_logratio_N.device)
+    idx = changed_layers_N.long().clamp(0, num_layers)
+    out[0].index_add_(0, idx, abs_logratio_N.double())
+    out[1].index_add_(0, idx, torch.ones_like(abs_logratio_N, dtype=torch.float64))
+    return out
+
+
+def ratio_noise_metrics(sums: torch.Tensor) -> dict:
+    """The routing mechanism behind token-ratio noise, from (reduced) ``ratio_noise_sums``:
+    ``changed`` mean |log ratio| of tokens whose routes changed in at least one layer,
+    ``unchanged`` the same for the others, ``quotient`` changed / unchanged, ``by_layers`` [L + 1]
+    mean |log ratio| per number of changed layers (nan where no token), ``tokens`` [L + 1] their
+    counts, ``changed_tokens`` the fraction of tokens with a changed route."""
+    total, count = sums[0], sums[1]
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=sums.device)
+    changed = torch.where(count[1:].sum() > 0, total[1:].sum() / count[1:].sum().clamp_min(1), nan)
+    unchanged = torch.where(count[0] > 0, total[0] / count[0].clamp_min(1), nan)
+    return {"changed": changed, "unchanged": unchanged, "quotient": changed / unchanged,
+            "by_layers": torch.where(count > 0, total / count.clamp_min(1), nan), "tokens": count,
+            "changed_tokens": count[1:].sum() / count.sum().clamp_min(1)}

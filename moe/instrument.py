@@ -7,6 +7,11 @@ TensorBoard tags (``KIND`` is ``update`` or ``rollout_train``):
 - ``moe/drift/KIND/mean``: the same over all (token, layer) pairs
 - ``moe/drift/KIND/jaccard_mean``: mean Jaccard overlap of the top-k sets
 - ``moe/drift/KIND/tokens_changed``: fraction of tokens with any layer changed
+- ``moe/drift/ratio_noise/{changed,unchanged,quotient,changed_tokens}``: mean |log ratio| (new
+  policy over old, the same tokens before and after the first update) of response tokens whose
+  top-k set changed in at least one MoE layer, of the others, their quotient, and the fraction of
+  tokens changed; ``moe/drift/ratio_noise/by_changed_layers_XX``: mean |log ratio| of the tokens
+  whose routes changed in exactly XX layers
 - ``moe/load/entropy/layer_XX``, ``moe/load/imbalance/layer_XX`` (max / mean expert share),
   ``moe/load/max_share``: expert load of the step's routes
 
@@ -107,6 +112,24 @@ class DriftLog:
             self.writer.add_scalar(f"moe/drift/{kind}/jaccard_mean", float(metrics["jaccard"]), step)
             self.writer.add_scalar(f"moe/drift/{kind}/tokens_changed",
                                    float(metrics["tokens_changed"]), step)
+
+    def ratio_noise(self, step: int, metrics: dict) -> None:
+        """One ``kind: ratio_noise`` row (see ``moe.drift.ratio_noise_metrics``)."""
+        if not self.enabled:
+            return
+        scalars = {k: float(metrics[k]) for k in ("changed", "unchanged", "quotient",
+                                                   "changed_tokens")}
+        by_layers = metrics["by_layers"].tolist()
+        self._rows([{"step": step, "kind": "ratio_noise", "layer": "mean", **scalars,
+                     "by_changed_layers": by_layers, "tokens": metrics["tokens"].tolist()}])
+        if self.writer is not None:
+            for k, v in scalars.items():
+                if v == v:  # undefined (no token changed or none stayed): not logged
+                    self.writer.add_scalar(f"moe/drift/ratio_noise/{k}", v, step)
+            for n, v in enumerate(by_layers):
+                if v == v:  # no token with n changed layers: nothing to log
+                    self.writer.add_scalar(f"moe/drift/ratio_noise/by_changed_layers_{n:02d}",
+                                           v, step)
 
     def load(self, step: int, metrics: dict) -> None:
         if not self.enabled:

@@ -1,6 +1,7 @@
 """Drift and load metrics on hand-computed examples; routing records; logs and the report."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,7 +11,8 @@ import torch
 
 from tests.trainer_workers import SHORT, merge, to_overrides
 
-from moe.drift import expert_counts, layer_drift_sums, load_metrics, topk_agreement
+from moe.drift import (changed_layers, expert_counts, layer_drift_sums, load_metrics,
+                       ratio_noise_metrics, ratio_noise_sums, topk_agreement)
 from moe.records import (RoutingRecord, RoutingRecordError, index_dtype, local_moe_layers,
                          packed_routes, padded_routes, rank_targets, routes_from_rank)
 
@@ -40,6 +42,33 @@ def test_drift_sums_stay_on_the_routes_device():
     per_layer, tokens = layer_drift_sums([torch.tensor([[0, 1], [2, 3]])] * 2,
                                          [torch.tensor([[1, 0], [2, 4]])] * 2)
     assert per_layer.tolist() == [[2.0, 1.0, 1 + 1 / 3]] * 2 and tokens.tolist() == [2.0, 1.0]
+
+
+def test_ratio_noise_hand_computed():
+    """4 tokens, 2 MoE layers: token 0 keeps its routes, token 1 changes in layer 0, token 2 in
+    both (a reordered top-k set is no change), token 3 keeps them; |log ratio| known."""
+    before = [torch.tensor([[0, 1], [2, 3], [0, 2], [1, 3]]),
+              torch.tensor([[1, 2], [0, 1], [2, 3], [0, 3]])]
+    after = [torch.tensor([[1, 0], [2, 0], [0, 1], [3, 1]]),
+             torch.tensor([[2, 1], [0, 1], [1, 3], [3, 0]])]
+    counts = changed_layers(before, after)
+    assert counts.tolist() == [0, 1, 2, 0]
+    abs_lr = torch.tensor([0.1, 0.5, 0.9, 0.3])
+    sums = ratio_noise_sums(abs_lr, counts, num_layers=2)
+    assert sums[0].tolist() == pytest.approx([0.4, 0.5, 0.9]) and sums[1].tolist() == [2, 1, 1]
+    m = ratio_noise_metrics(sums)
+    assert float(m["changed"]) == pytest.approx((0.5 + 0.9) / 2)
+    assert float(m["unchanged"]) == pytest.approx((0.1 + 0.3) / 2)
+    assert float(m["quotient"]) == pytest.approx(0.7 / 0.2)
+    assert m["by_layers"].tolist() == pytest.approx([0.2, 0.5, 0.9])
+    assert float(m["changed_tokens"]) == 0.5
+    # two ranks' sums add up to one rank's
+    halves = (ratio_noise_sums(abs_lr[:2], counts[:2], 2) + ratio_noise_sums(abs_lr[2:], counts[2:], 2))
+    assert torch.equal(halves, sums)
+    # nothing changed: the changed mean and the quotient are undefined, not 0
+    none = ratio_noise_metrics(ratio_noise_sums(abs_lr, torch.zeros(4, dtype=torch.long), 2))
+    assert math.isnan(float(none["changed"])) and math.isnan(float(none["quotient"]))
+    assert math.isnan(none["by_layers"][1]) and float(none["changed_tokens"]) == 0
 
 
 def test_load_metrics_hand_computed_with_idle_experts():
@@ -111,7 +140,19 @@ def test_report_from_a_real_run(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "run_a" / "drift_report.html").is_file()
     rows = [json.loads(x) for x in open(tmp_path / "run_a" / "drift.jsonl")]
-    assert {r["kind"] for r in rows} == {"update", "rollout_train", "load"}
+    assert {r["kind"] for r in rows} == {"update", "rollout_train", "load", "ratio_noise"}
+    noise = [r for r in rows if r["kind"] == "ratio_noise"]
+    assert [r["step"] for r in noise] == [1, 2, 3]
+    for r in noise:  # 4 MoE layers: tokens counted by 0..4 changed layers
+        assert len(r["by_changed_layers"]) == len(r["tokens"]) == 5 and sum(r["tokens"]) > 0
+        assert r["unchanged"] >= 0 and 0 <= r["changed_tokens"] <= 1
+    metrics = [json.loads(x) for x in open(tmp_path / "run_a" / "metrics.jsonl")]
+    steps = [m for m in metrics if "train/loss" in m]
+    assert all("moe/drift/ratio_noise/changed_tokens" in m and "moe/drift/ratio_noise/unchanged"
+               in m for m in steps)
+    for m, r in zip(steps, noise):  # the step's metrics are the drift log's (undefined: left out)
+        assert m["moe/drift/ratio_noise/changed_tokens"] == pytest.approx(r["changed_tokens"])
+        assert ("moe/drift/ratio_noise/quotient" in m) == (r["quotient"] == r["quotient"])
     assert sorted({r["layer"] for r in rows if r["kind"] == "update"}, key=str) == \
         [0, 1, 2, 3, "mean"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -120,7 +161,9 @@ def test_report_from_a_real_run(tmp_path):
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"moe/drift/update/layer_00", "moe/drift/update/mean", "moe/drift/update/tokens_changed",
-            "moe/load/entropy/layer_03", "moe/load/max_share"} <= tags
+            "moe/load/entropy/layer_03", "moe/load/max_share", "moe/drift/ratio_noise/unchanged",
+            "moe/drift/ratio_noise/changed_tokens", "moe/drift/ratio_noise/by_changed_layers_00"
+            } <= tags
 
     import shutil
 
@@ -132,7 +175,8 @@ def test_report_from_a_real_run(tmp_path):
     assert report.returncode == 0, report.stderr
     assert "run_a: mean update drift" in report.stdout
     page = out.read_text()
-    assert page.count("data:image/png;base64,") >= 5  # mean curves, 2 x (heatmap + load)
+    assert page.count("data:image/png;base64,") >= 6  # mean curves, ratio noise, 2 x (heatmap + load)
+    assert "Ratio noise" in page
     assert "update drift per layer" in page and "expert load" in page
 
 

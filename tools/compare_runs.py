@@ -5,8 +5,8 @@
 Finds every run directory below SWEEP_DIR (a directory holding ``metrics.jsonl``), labels each run
 by its algorithm and replay mode (from ``resolved_config.json``) and plots, per run: rollout reward
 and held-out accuracy over steps, clip fraction, ratio statistics (mean, min, max), update drift
-(experts changed by one gradient update) and the rollout/train mismatch (routes and log-probs),
-then a summary table. ``--png-dir`` also writes the plots as PNG files (for a README).
+(experts changed by one gradient update), the rollout/train mismatch (routes and log-probs) and
+the ratio noise (|log ratio| of tokens whose routes changed vs the others), then a summary table. ``--png-dir`` also writes the plots as PNG files (for a README).
 """
 
 from __future__ import annotations
@@ -31,6 +31,11 @@ PANELS = [  # (title, [(metric, style)], y label)
      "changed fraction"),
     ("rollout/train mismatch: routes (solid), log-prob |diff| (dashed)",
      [("moe/drift/rollout_train/mean", "-"), ("rollout/logprob_mismatch", "--")], "mismatch"),
+    ("ratio noise: mean |log ratio| after one update, routes changed (solid) / not (dashed)",
+     [("moe/drift/ratio_noise/changed", "-"), ("moe/drift/ratio_noise/unchanged", "--")],
+     "|log ratio|"),
+    ("ratio-noise quotient: changed / unchanged routes", [("moe/drift/ratio_noise/quotient", "-")],
+     "quotient"),
 ]
 
 
@@ -91,7 +96,8 @@ def _mean(rows: list, key: str, last_fraction: float = 1.0) -> float:
     if not vals:
         return float("nan")
     k = max(1, int(round(len(vals) * last_fraction)))
-    return float(np.mean(vals[-k:]))
+    tail = np.asarray(vals[-k:], dtype=float)
+    return float(np.mean(tail[~np.isnan(tail)])) if (~np.isnan(tail)).any() else float("nan")
 
 
 def summary(run: dict) -> dict:
@@ -107,6 +113,7 @@ def summary(run: dict) -> dict:
         "clip_fraction": _mean(rows, "train/clip_fraction"),
         "update_drift": _mean(rows, "moe/drift/update/mean"),
         "rollout_train": _mean(rows, "moe/drift/rollout_train/mean"),
+        "ratio_noise_quotient": _mean(rows, "moe/drift/ratio_noise/quotient"),
         "step_time_s": _mean(rows, "perf/step_time_s"),
     }
 
@@ -120,7 +127,7 @@ def build(runs: list[dict], png_dir: Optional[str] = None) -> tuple[str, list]:
     from moe.report import _png
 
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    fig, axes = plt.subplots(3, 2, figsize=(12, 11))
+    fig, axes = plt.subplots(4, 2, figsize=(12, 14.5))
     for ax, (title, metrics, ylabel) in zip(axes.flat, PANELS):
         for i, run in enumerate(runs):
             for j, (key, style) in enumerate(metrics):
@@ -143,7 +150,7 @@ def build(runs: list[dict], png_dir: Optional[str] = None) -> tuple[str, list]:
         with open(os.path.join(png_dir, "compare_runs.png"), "wb") as f:
             f.write(base64.b64decode(curves))
     head = ["run", "dir", "steps", "accuracy_start", "accuracy_final", "reward_last10",
-            "clip_fraction", "update_drift", "rollout_train", "step_time_s"]
+            "clip_fraction", "update_drift", "rollout_train", "ratio_noise_quotient", "step_time_s"]
     cells = "".join(f"<th>{h}</th>" for h in head)
     body = ""
     for s in sums:
@@ -156,7 +163,8 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}</style></head><b
 <h1>Runs compared ({len(runs)})</h1>
 <p>accuracy: held-out greedy accuracy at the start of RL and at the end; reward_last10: mean rollout
 reward over the last 10% of steps; clip_fraction, update_drift (fraction of (token, layer) routes
-changed by one update), rollout_train (routes differing between the engine and the trainer):
+changed by one update), rollout_train (routes differing between the engine and the trainer),
+ratio_noise_quotient (mean |log ratio| of tokens whose routes changed over that of the others):
 means over all steps.</p>
 <table><tr>{cells}</tr>{body}</table>
 <h2>Curves</h2><img src="data:image/png;base64,{curves}">
@@ -167,11 +175,13 @@ means over all steps.</p>
 def table_markdown(sums: list) -> str:
     """The summary as a Markdown table (for README)."""
     out = ["| run | held-out acc. start -> end | reward (last 10%) | clip fraction | update drift "
-           "| rollout/train drift | s/step |", "|---|---|---|---|---|---|---|"]
+           "| rollout/train drift | ratio-noise quotient | s/step |",
+           "|---|---|---|---|---|---|---|---|"]
     for s in sums:
         out.append(f"| {s['run']} | {s['accuracy_start']:.3f} -> {s['accuracy_final']:.3f} | "
                    f"{s['reward_last10']:.3f} | {s['clip_fraction']:.4f} | {s['update_drift']:.4f} "
-                   f"| {s['rollout_train']:.4f} | {s['step_time_s']:.2f} |")
+                   f"| {s['rollout_train']:.4f} | {s['ratio_noise_quotient']:.2f} "
+                   f"| {s['step_time_s']:.2f} |")
     return "\n".join(out)
 
 

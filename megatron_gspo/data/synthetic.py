@@ -3,6 +3,8 @@ a seed, with exact-match rewards.
 
 - ``add``: "a+b=" -> the decimal sum (operands up to ``max_value``)
 - ``reverse``: "rev:xyz=" -> "zyx" (lower-case letters, ``min_len`` to ``max_len`` of them)
+- ``sort``: "sort:3141=" -> "1134" (digits, ``min_len`` to ``max_len`` of them): long responses
+  for the routing experiments; ``char_match`` gives partial credit per position
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import string
 from megatron_gspo.data.prompts import PromptRecord
 from megatron_gspo.rewards import RewardInput, RewardResult, register_reward
 
-TASKS = ("add", "reverse")
+TASKS = ("add", "reverse", "sort")
 
 
 def make_task(name: str, n: int, *, seed: int, max_value: int = 9, max_len: int = 4,
@@ -26,6 +28,10 @@ def make_task(name: str, n: int, *, seed: int, max_value: int = 9, max_len: int 
         if name == "add":
             a, b = rng.randint(0, max_value), rng.randint(0, max_value)
             prompt, answer = f"{a}+{b}=", str(a + b)
+        elif name == "sort":
+            digits = "".join(rng.choice(string.digits)
+                             for _ in range(rng.randint(min_len, max_len)))
+            prompt, answer = f"sort:{digits}=", "".join(sorted(digits))
         else:
             word = "".join(rng.choice(string.ascii_lowercase)
                            for _ in range(rng.randint(min_len, max_len)))
@@ -42,3 +48,14 @@ def exact_match(sample: RewardInput) -> RewardResult:
     ok = got == str(sample.answer).strip()
     return RewardResult(1.0 if ok else 0.0, {} if ok else {"reason": "wrong answer",
                                                            "got": got[:50]})
+
+
+@register_reward("char_match")
+def char_match(sample: RewardInput) -> RewardResult:
+    """The fraction of the answer's characters that the response has at the same position (a
+    response of another length loses the missing or extra positions): 1 only for an exact
+    match."""
+    got, want = (sample.response or "").strip(), str(sample.answer).strip()
+    right = sum(a == b for a, b in zip(got, want))
+    score = right / max(len(got), len(want), 1)
+    return RewardResult(score, {} if score == 1.0 else {"reason": f"{right}/{len(want)} right"})

@@ -42,3 +42,21 @@ def test_compare_runs_names_a_bad_directory(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 2
     assert out.stderr.strip() == f"compare_runs: no run directories (with metrics.jsonl) under {tmp_path}"
+
+
+def test_collapse_rule_and_the_per_arm_table():
+    from tools.compare_runs import collapsed, table_by_arm
+
+    assert not collapsed([0.1, 0.3, 0.5], 0.5)  # learned, kept it
+    assert collapsed([0.1, 0.5, 0.2], 0.2)  # gained 0.4, kept 0.1 of it
+    assert not collapsed([0.1, 0.5, 0.2], 0.4)  # fell, recovered
+    assert not collapsed([0.3, 0.2], 0.1)  # never gained: no collapse to speak of
+    base = {"reward_last10": 0.5, "clip_fraction": 0.01, "update_drift": 0.1,
+            "ratio_noise_quotient": float("nan")}
+    sums = [dict(base, run="grpo (no replay)", accuracy_start=0.1, accuracy_final=0.5,
+                 collapsed=False),
+            dict(base, run="grpo (no replay)", accuracy_start=0.1, accuracy_final=0.2,
+                 collapsed=True)]
+    table = table_by_arm(sums)
+    assert "| grpo (no replay) | 2 | +0.250 (+0.100 .. +0.400) |" in table
+    assert table.endswith("| n/a | 1 of 2 |")

@@ -71,10 +71,20 @@ def read_run(path: str) -> dict:
 
 
 def label_of(path: str, cfg: dict) -> str:
+    """The run's arm (algorithm and replay mode); runs of one arm with other seeds share it."""
     if not cfg:
         return os.path.basename(path)
     algo, replay = cfg["algo"]["name"], cfg["replay"]["mode"]
     return f"{algo} + {replay.upper()}" if replay != "none" else f"{algo} (no replay)"
+
+
+def collapsed(evals: list, final: float) -> bool:
+    """Held-out accuracy fell by at least half of its gain (peak over the start) and did not
+    recover: the final accuracy is below start + gain / 2."""
+    if not evals:
+        return False
+    start, peak = evals[0], max(evals + [final])
+    return peak > start and final < start + (peak - start) / 2
 
 
 def series(rows: list, key: str, smooth: int = 1):
@@ -104,11 +114,14 @@ def summary(run: dict) -> dict:
     rows = run["rows"]
     evals = series(rows, "eval/accuracy")[1]
     final = [r["eval/accuracy"] for r in rows if r.get("final") and "eval/accuracy" in r]
+    acc_final = final[-1] if final else (evals[-1] if evals else float("nan"))
     return {
         "run": run["label"], "dir": os.path.basename(run["path"]),
+        "seed": run["config"].get("seed", ""),
+        "collapsed": collapsed(list(evals), acc_final),
         "steps": max((r["step"] for r in rows), default=0),
         "accuracy_start": evals[0] if evals else float("nan"),
-        "accuracy_final": final[-1] if final else (evals[-1] if evals else float("nan")),
+        "accuracy_final": acc_final,
         "reward_last10": _mean(rows, "rollout/reward_mean", 0.1),
         "clip_fraction": _mean(rows, "train/clip_fraction"),
         "update_drift": _mean(rows, "moe/drift/update/mean"),
@@ -127,15 +140,21 @@ def build(runs: list[dict], png_dir: Optional[str] = None) -> tuple[str, list]:
     from moe.report import _png
 
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    arms = list(dict.fromkeys(run["label"] for run in runs))  # one color per arm (all seeds)
     fig, axes = plt.subplots(4, 2, figsize=(12, 14.5))
     for ax, (title, metrics, ylabel) in zip(axes.flat, PANELS):
-        for i, run in enumerate(runs):
+        labelled = set()
+        for run in runs:
+            arm = arms.index(run["label"])
             for j, (key, style) in enumerate(metrics):
                 smooth = 5 if key == "rollout/reward_mean" else 1
                 xs, ys = series(run["rows"], key, smooth)
                 if xs:
-                    ax.plot(xs, ys, style, color=colors[i % len(colors)], markersize=3,
-                            label=run["label"] if j == 0 else None)
+                    first = j == 0 and run["label"] not in labelled
+                    ax.plot(xs, ys, style, color=colors[arm % len(colors)], markersize=3,
+                            alpha=0.8, label=run["label"] if first else None)
+                    if j == 0:
+                        labelled.add(run["label"])
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("RL step")
         ax.set_ylabel(ylabel)
@@ -149,13 +168,14 @@ def build(runs: list[dict], png_dir: Optional[str] = None) -> tuple[str, list]:
         os.makedirs(png_dir, exist_ok=True)
         with open(os.path.join(png_dir, "compare_runs.png"), "wb") as f:
             f.write(base64.b64decode(curves))
-    head = ["run", "dir", "steps", "accuracy_start", "accuracy_final", "reward_last10",
+    head = ["run", "dir", "seed", "collapsed", "steps", "accuracy_start", "accuracy_final",
+            "reward_last10",
             "clip_fraction", "update_drift", "rollout_train", "ratio_noise_quotient", "step_time_s"]
     cells = "".join(f"<th>{h}</th>" for h in head)
     body = ""
     for s in sums:
         body += "<tr>" + "".join(
-            f"<td>{html.escape(str(s[h])) if isinstance(s[h], (str, int)) else f'{s[h]:.4f}'}</td>"
+            f"<td>{html.escape(str(s[h])) if isinstance(s[h], (str, int, bool)) else f'{s[h]:.4f}'}</td>"
             for h in head) + "</tr>"
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>megatron-gspo runs</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
@@ -174,14 +194,38 @@ means over all steps.</p>
 
 def table_markdown(sums: list) -> str:
     """The summary as a Markdown table (for README)."""
-    out = ["| run | held-out acc. start -> end | reward (last 10%) | clip fraction | update drift "
-           "| rollout/train drift | ratio-noise quotient | s/step |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| run | seed | held-out acc. start -> end | reward (last 10%) | clip fraction "
+           "| update drift | rollout/train drift | ratio-noise quotient | s/step | collapsed |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for s in sums:
-        out.append(f"| {s['run']} | {s['accuracy_start']:.3f} -> {s['accuracy_final']:.3f} | "
+        out.append(f"| {s['run']} | {s['seed']} | {s['accuracy_start']:.3f} -> {s['accuracy_final']:.3f} | "
                    f"{s['reward_last10']:.3f} | {s['clip_fraction']:.4f} | {s['update_drift']:.4f} "
                    f"| {s['rollout_train']:.4f} | {s['ratio_noise_quotient']:.2f} "
-                   f"| {s['step_time_s']:.2f} |")
+                   f"| {s['step_time_s']:.2f} | {'yes' if s['collapsed'] else 'no'} |")
+    return "\n".join(out)
+
+
+def table_by_arm(sums: list) -> str:
+    """Per arm over its seeds: mean (min .. max) of the accuracy gain, the last rewards, clip
+    fraction, update drift and ratio-noise quotient; collapsed runs counted."""
+    def stat(vals, fmt):
+        vals = [v for v in vals if v == v]
+        if not vals:
+            return "n/a"
+        return f"{fmt.format(np.mean(vals))} ({fmt.format(min(vals))} .. {fmt.format(max(vals))})"
+
+    out = ["| arm | seeds | held-out acc. gain | reward (last 10%) | clip fraction | update drift "
+           "| ratio-noise quotient | collapsed |", "|---|---|---|---|---|---|---|---|"]
+    for arm in dict.fromkeys(s["run"] for s in sums):
+        mine = [s for s in sums if s["run"] == arm]
+        out.append(
+            f"| {arm} | {len(mine)} | "
+            f"{stat([s['accuracy_final'] - s['accuracy_start'] for s in mine], '{:+.3f}')} | "
+            f"{stat([s['reward_last10'] for s in mine], '{:.3f}')} | "
+            f"{stat([s['clip_fraction'] for s in mine], '{:.4f}')} | "
+            f"{stat([s['update_drift'] for s in mine], '{:.4f}')} | "
+            f"{stat([s['ratio_noise_quotient'] for s in mine], '{:.2f}')} | "
+            f"{sum(s['collapsed'] for s in mine)} of {len(mine)} |")
     return "\n".join(out)
 
 
@@ -200,6 +244,9 @@ def main(argv=None) -> int:
     with open(args.output, "w") as f:
         f.write(page)
     print(table_markdown(sums))
+    if len({s["run"] for s in sums}) < len(sums):  # several seeds of an arm
+        print()
+        print(table_by_arm(sums))
     print(f"wrote {args.output}")
     return 0
 

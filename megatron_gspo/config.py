@@ -50,6 +50,9 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     init_method_std: float = 0.02
     params_dtype: str = "float32"  # float32 | bfloat16
+    # Without Transformer Engine: a layer's local experts as two grouped matmuls
+    # (megatron_gspo/grouped_experts.py) instead of Megatron's loop over them.
+    grouped_experts: bool = True
 
     @property
     def is_moe(self) -> bool:

@@ -8,9 +8,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_gspo import cpu_backend, router_losses, te
+from megatron_gspo.grouped_experts import GroupedSequentialMLP
 from megatron_gspo.layers import RMSNorm, SDPAttention
 from megatron_gspo.config import ModelConfig
 from megatron_gspo.parallel import ParallelContext
@@ -83,9 +85,10 @@ def transformer_config(model: ModelConfig, ctx: ParallelContext, **overrides):
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(config, ctx: ParallelContext):
+def layer_spec(config, ctx: ParallelContext, grouped_experts: bool = True):
     """Transformer Engine spec on GPU when TE imports; otherwise Megatron's local spec with an
-    SP-capable RMSNorm and SDPA core attention in place of the unfused attention fallback."""
+    SP-capable RMSNorm, SDPA core attention in place of the unfused attention fallback and (with
+    ``grouped_experts``) the local experts as grouped matmuls."""
     if te.use_te_spec(ctx.device.type):
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, pp_rank=ctx.pp_rank)
     te.ensure_router_gemm_symbol()
@@ -99,12 +102,17 @@ def layer_spec(config, ctx: ParallelContext):
         attn.core_attention = SDPAttention
         attn.q_layernorm = RMSNorm
         attn.k_layernorm = RMSNorm
+        experts = getattr(getattr(sub.mlp, "submodules", None), "experts", None)
+        if grouped_experts and experts is not None and experts.module is SequentialMLP:
+            experts.module = GroupedSequentialMLP
     block.layer_norm = RMSNorm
     return block
 
 
-def build_model(model: ModelConfig, ctx: ParallelContext, **config_overrides):
-    """This rank's ``GPTModel`` (its pipeline stage, TP shard and local experts), on ctx.device."""
+def build_model(model: ModelConfig, ctx: ParallelContext, *, use_grouped_experts=None,
+                **config_overrides):
+    """This rank's ``GPTModel`` (its pipeline stage, TP shard and local experts), on ctx.device.
+    ``use_grouped_experts`` overrides ``model.grouped_experts``."""
     config = transformer_config(model, ctx, **config_overrides)
     if model.router_expert_bias:
         router_losses.fix_expert_bias_padding()
@@ -112,7 +120,9 @@ def build_model(model: ModelConfig, ctx: ParallelContext, **config_overrides):
         router_losses.fix_empty_batch_aux_loss()
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config, ctx),
+        transformer_layer_spec=layer_spec(
+            config, ctx, model.grouped_experts if use_grouped_experts is None
+            else use_grouped_experts),
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
         pre_process=ctx.is_first_stage,

@@ -1,0 +1,72 @@
+"""Forward + backward of a fine-grained MoE with the local experts as grouped matmuls vs Megatron's
+SequentialMLP loop (same weights, same tokens), one rank, CPU.
+
+    python benchmarks/grouped_experts.py [--experts 64] [--top-k 8] [--tokens 2048] [--repeats 7]
+
+The default shape is ``conf/experiment/paper_small.yaml``'s model (hidden 64, 4 layers, 64
+experts of width 16, top-8). Prints the median time of each and, last, the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from megatron_gspo.config import ModelConfig, ParallelConfig  # noqa: E402
+from megatron_gspo.model import build_model  # noqa: E402
+from megatron_gspo.parallel import destroy_parallel, init_parallel  # noqa: E402
+
+
+def measure(grouped: bool, args) -> float:
+    cfg = ModelConfig(vocab_size=128, hidden_size=args.hidden, num_layers=4, num_attention_heads=4,
+                      num_query_groups=2, head_dim=16, ffn_hidden_size=128,
+                      moe_ffn_hidden_size=args.expert_width, num_experts=args.experts,
+                      top_k=args.top_k, grouped_experts=grouped)
+    ctx = init_parallel(ParallelConfig(), cfg, seed=0)
+    try:
+        gpt = build_model(cfg, ctx)
+        g = torch.Generator().manual_seed(0)
+        rows = args.tokens // 64
+        tokens = torch.randint(0, 128, (rows, 64), generator=g)
+        pos = torch.arange(64).expand(rows, 64)
+        times = []
+        for i in range(args.repeats + 1):
+            t0 = time.perf_counter()
+            gpt(tokens, pos, attention_mask=None).float().square().mean().backward()
+            if i:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        destroy_parallel(keep_process_group=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--expert-width", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args()
+    warnings.filterwarnings("ignore")
+    loop, grouped = measure(False, args), measure(True, args)
+    print(f"MoE of 4 layers, hidden {args.hidden}, {args.experts} experts of width "
+          f"{args.expert_width}, top-{args.top_k}; {args.tokens} tokens; forward + backward, "
+          f"median of {args.repeats}, {torch.get_num_threads()} threads")
+    print(f"SequentialMLP loop   {loop * 1e3:8.1f} ms")
+    print(f"grouped matmuls      {grouped * 1e3:8.1f} ms")
+    print(f"grouped vs loop: {loop / grouped:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

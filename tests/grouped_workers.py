@@ -1,0 +1,67 @@
+"""Grouped-GEMM experts against Megatron's SequentialMLP on spawned ranks."""
+
+from __future__ import annotations
+
+
+def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0) -> dict:
+    """Every MoE layer's experts of a tiny model (16 experts, top-4): the same tokens through
+    SequentialMLP and through GroupedSequentialMLP sharing its parameters; the largest
+    differences of the outputs, of the input gradients and of the weight gradients."""
+    import copy
+
+    import torch
+
+    from megatron_gspo.config import ModelConfig, ParallelConfig
+    from megatron_gspo.grouped_experts import GroupedSequentialMLP
+    from megatron_gspo.model import build_model
+    from megatron_gspo.parallel import init_parallel
+
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_attention_heads=4,
+                      num_query_groups=2, head_dim=16, ffn_hidden_size=128,
+                      moe_ffn_hidden_size=16, num_experts=16, top_k=4)
+    ctx = init_parallel(ParallelConfig(ep=ep, tp=tp, sequence_parallel=tp > 1), cfg,
+                        seed=seed)  # expert TP = tp
+    gpt = build_model(cfg, ctx, use_grouped_experts=False)
+    out = {"out": 0.0, "dx": 0.0, "dw": 0.0, "grouped_used": True}
+    g = torch.Generator().manual_seed(seed + 10 * ctx.rank)
+    for layer in gpt.decoder.layers:
+        seq = layer.mlp.experts
+        grouped = copy.copy(seq)
+        grouped.__class__ = GroupedSequentialMLP
+        n = seq.num_local_experts
+        counts = torch.randint(0, 12, (n,), generator=g)
+        counts[0] = 0  # an expert without tokens
+        x = torch.randn(int(counts.sum()), cfg.hidden_size, generator=g)
+        probs = torch.rand(int(counts.sum()), generator=g)
+        w_out = torch.randn(int(counts.sum()), cfg.hidden_size, generator=g)
+        results = []
+        for module in (seq, grouped):
+            xi = x.clone().requires_grad_()
+            for p in module.parameters():
+                p.grad = None
+            y, _ = module(xi, counts, probs)
+            (y * w_out).sum().backward()
+            results.append((y.detach(), xi.grad, [p.grad.clone() for p in module.parameters()]))
+        out["grouped_used"] &= grouped._grouped_ok(x)
+        (y0, dx0, dw0), (y1, dx1, dw1) = results
+        out["out"] = max(out["out"], float((y0 - y1).abs().max()))
+        out["dx"] = max(out["dx"], float((dx0 - dx1).abs().max()))
+        out["dw"] = max(out["dw"], max(float((a - b).abs().max()) for a, b in zip(dw0, dw1)))
+    return out
+
+
+def spec_job() -> dict:
+    """The experts' class of a model built with the default and with grouped_experts off."""
+    from megatron_gspo.config import ModelConfig, ParallelConfig
+    from megatron_gspo.model import build_model
+    from megatron_gspo.parallel import init_parallel
+
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, num_layers=1, num_attention_heads=4,
+                      num_query_groups=2, head_dim=16, ffn_hidden_size=128,
+                      moe_ffn_hidden_size=16, num_experts=4, top_k=2)
+    ctx = init_parallel(ParallelConfig(), cfg, seed=0)
+    kinds = {}
+    for name, flag in (("default", None), ("off", False)):
+        gpt = build_model(cfg, ctx, use_grouped_experts=flag)
+        kinds[name] = type(gpt.decoder.layers[0].mlp.experts).__name__
+    return kinds

@@ -14,7 +14,7 @@
 #     math-verify==0.9.0 latex2sympy2_extended==1.11.0 hydra-submitit-launcher==1.2.0 submitit==1.5.4
 #
 # Steps: the main job on the GPU in bf16 (20 RL steps of the tiny model, world size 1 under
-# NCCL); 3 RL steps each of GRPO+R2, GRPO+R3 with token TIS, GSPO-token with dynamic sampling and
+# NCCL); the grouped-GEMM experts against Megatron's SequentialMLP in bf16; 3 RL steps each of GRPO+R2, GRPO+R3 with token TIS, GSPO-token with dynamic sampling and
 # masked overlong responses, GSPO with seq MIS and the HF export at the end; one RL step of a ~1B-parameter MoE with 512-token responses (tokens/s and model TFLOP/s
 # of the update phase); scripts/gpu_check.py (forward+backward throughput of the same model); the
 # tests marked gpu. Each step's output also goes to DEVICE_CHECK_LOG_DIR/STEP.log when it is set.
@@ -84,6 +84,12 @@ variants() {  # 3 RL steps of each algorithm / replay / batch option on the GPU,
 export -f variants
 
 step "main job" 240 main_job   # tiny MoE, bf16, 20 RL steps, NCCL world of one
+step "grouped experts" 90 python3 -c "
+from tests.distributed import run_ranks
+from tests.grouped_workers import experts_equal_job
+r = run_ranks(experts_equal_job, 1, 1, 1, 0, 'bfloat16')[0]
+print('grouped vs sequential experts, bf16 on the GPU (max diff / max value):', r)
+assert r['grouped_used'] and max(r['out'], r['dx'], r['dw']) < 2e-2, r"
 step "variants" 200 variants
 step "rl step 1b" 150 python3 scripts/rl_step_1b.py --response 512   # ~1B MoE, 512-token responses
 step "gpu check" 120 python3 scripts/gpu_check.py --steps 5 --warmup 2 --batch 4 --seq 2048

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 
-def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0) -> dict:
+def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "float32") -> dict:
     """Every MoE layer's experts of a tiny model (16 experts, top-4): the same tokens through
     SequentialMLP and through GroupedSequentialMLP sharing its parameters; the largest
-    differences of the outputs, of the input gradients and of the weight gradients."""
+    differences of the outputs, of the input gradients and of the weight gradients, relative to
+    the largest value of each."""
     import copy
 
     import torch
@@ -18,7 +19,7 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0) -> dict:
 
     cfg = ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_attention_heads=4,
                       num_query_groups=2, head_dim=16, ffn_hidden_size=128,
-                      moe_ffn_hidden_size=16, num_experts=16, top_k=4)
+                      moe_ffn_hidden_size=16, num_experts=16, top_k=4, params_dtype=dtype)
     ctx = init_parallel(ParallelConfig(ep=ep, tp=tp, sequence_parallel=tp > 1), cfg,
                         seed=seed)  # expert TP = tp
     gpt = build_model(cfg, ctx, use_grouped_experts=False)
@@ -31,9 +32,10 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0) -> dict:
         n = seq.num_local_experts
         counts = torch.randint(0, 12, (n,), generator=g)
         counts[0] = 0  # an expert without tokens
-        x = torch.randn(int(counts.sum()), cfg.hidden_size, generator=g)
-        probs = torch.rand(int(counts.sum()), generator=g)
-        w_out = torch.randn(int(counts.sum()), cfg.hidden_size, generator=g)
+        on = dict(device=ctx.device, dtype=getattr(torch, dtype))
+        x = torch.randn(int(counts.sum()), cfg.hidden_size, generator=g).to(**on)
+        probs = torch.rand(int(counts.sum()), generator=g).to(device=ctx.device)
+        w_out = torch.randn(int(counts.sum()), cfg.hidden_size, generator=g).to(**on)
         results = []
         for module in (seq, grouped):
             xi = x.clone().requires_grad_()
@@ -44,9 +46,10 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0) -> dict:
             results.append((y.detach(), xi.grad, [p.grad.clone() for p in module.parameters()]))
         out["grouped_used"] &= grouped._grouped_ok(x)
         (y0, dx0, dw0), (y1, dx1, dw1) = results
-        out["out"] = max(out["out"], float((y0 - y1).abs().max()))
-        out["dx"] = max(out["dx"], float((dx0 - dx1).abs().max()))
-        out["dw"] = max(out["dw"], max(float((a - b).abs().max()) for a, b in zip(dw0, dw1)))
+        out["out"] = max(out["out"], float((y0 - y1).abs().max() / y0.abs().max()))
+        out["dx"] = max(out["dx"], float((dx0 - dx1).abs().max() / dx0.abs().max()))
+        out["dw"] = max(out["dw"], max(float((a - b).abs().max() / a.abs().max())
+                                       for a, b in zip(dw0, dw1)))
     return out
 
 

@@ -1,5 +1,5 @@
 """Grouped-GEMM experts (megatron_gspo/grouped_experts.py) against Megatron's SequentialMLP: the
-same outputs, input gradients and weight gradients (fp32, <= 1e-6) on 1 rank, EP=2 and expert
+same outputs, input gradients and weight gradients (fp32, <= 1e-6 of the largest value) on 1 rank, EP=2 and expert
 TP=2, with an expert that gets no token; and the layer spec uses them unless told not to."""
 
 from tests.distributed import run_layouts

@@ -123,5 +123,14 @@ def test_synthetic_tasks_are_seeded_and_scored():
     reward = get_reward("exact_match")
     assert reward(RewardInput(" " + a[0].answer + " ", answer=a[0].answer)).score == 1.0
     assert reward(RewardInput("nope", answer=a[0].answer)).details["reason"] == "wrong answer"
-    with pytest.raises(ValueError, match="valid: add, reverse"):
-        make_task("sort", 1, seed=0)
+    digits = make_task("sort", 4, seed=0, min_len=24, max_len=28)
+    assert all(24 <= len(r.answer) <= 28 and r.answer == "".join(sorted(r.prompt[5:-1]))
+               for r in digits)
+    partial = get_reward("char_match")
+    assert partial(RewardInput(digits[0].answer, answer=digits[0].answer)).score == 1.0
+    assert partial(RewardInput("0123", answer="0124")).score == 0.75  # 3 of 4 positions
+    assert partial(RewardInput("012", answer="0124")).score == 0.75  # a missing position
+    assert partial(RewardInput("01245", answer="0124")).score == 0.8  # an extra position
+    assert partial(RewardInput("", answer="0124")).score == 0.0
+    with pytest.raises(ValueError, match="valid: add, reverse, sort"):
+        make_task("multiply", 1, seed=0)

@@ -100,8 +100,10 @@ def _cases(parallel, combos):
     return out
 
 
-ONE_RANK = [(a, r, "none") for a in ("gspo", "gspo_token", "grpo") for r in ("none", "r2", "r3")]
-# On two ranks: each algorithm once, each replay once, and rollout correction in both kinds.
+# Every algorithm and every replay mode on one rank and on two (together: each algorithm with
+# and without replay, GRPO with all three), and rollout correction in both kinds.
+ONE_RANK = [("gspo", "r2", "none"), ("gspo_token", "none", "none"), ("grpo", "none", "none"),
+            ("grpo", "r3", "none")]
 TWO_RANKS = [("gspo", "none", "seq_tis"), ("gspo_token", "r3", "token_tis"), ("grpo", "r2", "none")]
 LAYOUTS = {"dp2": {}, "cp2": {"cp": 2}, "tp2_sp": {"tp": 2, "sequence_parallel": True},
            "pp2": {"pp": 2}, "ep2": {"ep": 2}}

@@ -116,7 +116,7 @@ def test_math_helpers():
     assert extract_answer("first 3 then \\boxed{x^2} and 7") == "x^2"
     assert extract_answer("no boxes, numbers 1, 2.5 and 7/8") == "7/8"
     assert equivalent("2/4", "0.5") and not equivalent("nonsense(", "0.5")
-    with pytest.raises(ValueError, match="unknown reward .nope.; valid: code, exact_match, math"):
+    with pytest.raises(ValueError, match="unknown reward .nope.; valid: char_match, code, exact_match, math"):
         get_reward("nope")
 
 

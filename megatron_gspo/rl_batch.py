@@ -27,7 +27,7 @@ from megatron_gspo import comm
 from megatron_gspo.forward import MicroBatch
 from megatron_gspo.packing import StepPlan, round_up
 from megatron_gspo.rollout.types import Sample
-from megatron_gspo.seqshard import zigzag_index
+from megatron_gspo.seqshard import packed_zigzag_index, seq_index_from_cu_seqlens, zigzag_index
 from moe.records import RoutingRecord, padded_routes, rank_targets
 
 
@@ -149,8 +149,7 @@ class Layout:
         return len(self.cu_seqlens) - 1
 
     def segment_N(self) -> torch.Tensor:
-        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
-        return torch.arange(len(lengths)).repeat_interleave(lengths)
+        return seq_index_from_cu_seqlens(self.cu_seqlens.long())
 
     def gather(self, values_BS: torch.Tensor, fill=0) -> torch.Tensor:
         """The micro-batch's share of a per-token batch tensor: [len(rows), S] or [1, N]."""
@@ -264,18 +263,18 @@ def route_targets(batch: RolloutBatch, layout: Layout, *, layers, ctx) -> list:
 # Packing's exchange of rows between data-parallel ranks.
 # ---------------------------------------------------------------------------------------------
 
-def exchange_rows(batch: RolloutBatch, plan: StepPlan, ctx, *, num_experts: int = 0
-                  ) -> RolloutBatch:
+def exchange_rows(batch: RolloutBatch, plan: StepPlan, lengths: Sequence[Sequence[int]], ctx, *,
+                  num_experts: int = 0) -> RolloutBatch:
     """This rank's rows of ``plan`` (from every data-parallel rank that generated them), in the
     plan's order: three all-to-alls over the data-parallel group on the run's device (token ids;
     float values; routes when the batch has them), each rank sending only the rows another needs.
-    The padded width is the same on every rank (``row_width``)."""
+    ``lengths[r][j]``: every rank's fed tokens per row (gathered for the plan). The padded
+    width is the same on every rank (``row_width``)."""
     me, ranks, device = ctx.dp_rank, ctx.dp, ctx.device
     width = batch.width
     wanted = [plan.rows_of(r) for r in range(ranks)]  # every rank's rows, in its order
     send = [[j for (src, j) in wanted[dst] if src == me] for dst in range(ranks)]
     recv = [[row for row in wanted[me] if row[0] == src] for src in range(ranks)]
-    lengths = comm.all_gather_vector(batch.lengths_B, device=device, group=ctx.dp_group)
 
     def exchange(rows_out: list, rows_in: list, pack, unit, dtype, inner=()):
         out_sizes = [sum(unit(me, j) for j in rows) for rows in rows_out]
@@ -363,8 +362,7 @@ def router_view(x_BSLK: torch.Tensor, layers, ctx, layout: Optional[Layout] = No
     when packed), then its sequence-parallel slice, per local MoE layer [N, K] in Megatron's
     [s, b] order."""
     if layout is not None and layout.packed and ctx.cp > 1:
-        index = MicroBatch(x_BSLK[..., 0, 0], x_BSLK[..., 0, 0],
-                           cu_seqlens=layout.cu_seqlens).cp_index(ctx.cp, ctx.cp_rank)
+        index = packed_zigzag_index(layout.cu_seqlens.long(), ctx.cp, ctx.cp_rank)
     else:
         index = zigzag_index(x_BSLK.shape[1], ctx.cp, ctx.cp_rank)
     return rank_targets(x_BSLK, layers=layers, cp=ctx.cp, cp_rank=ctx.cp_rank, cp_index=index,

@@ -277,7 +277,7 @@ def pack_batch(run: Run, batch):
     plan = plan_step(lengths, minibatches=run.job.algo.minibatches,
                      budget=t.max_tokens_per_micro_batch, seq_multiple=seq_multiple,
                      row_multiple=row_multiple)
-    batch = exchange_rows(batch, plan, ctx, num_experts=run.job.model.num_experts)
+    batch = exchange_rows(batch, plan, lengths, ctx, num_experts=run.job.model.num_experts)
     # Expert parallelism's all-gather dispatcher exchanges equal token counts: the k-th
     # micro-batch gets one length on every rank. Pipeline stages exchange activations of one
     # shape per pass (Megatron's variable sequence lengths need the all-to-all dispatcher):

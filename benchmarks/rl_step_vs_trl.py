@@ -19,9 +19,21 @@ allocator and kernel warm-up) is dropped; the table shows the median of the rest
 is the sampled completion tokens of a step over its time (completions end early at <eos>, so both
 columns also show the mean completion length).
 
-    python benchmarks/rl_step_vs_trl.py                    # 8 RL steps, 16 prompts x 8, 8 new tokens
+Shapes (``--shape``; ``--hidden``, ``--layers``, ``--heads``, ``--kv-groups``, ``--head-dim``,
+``--experts``, ``--top-k``, ``--expert-width`` override single fields):
+
+- ``tiny``: the CPU default (hidden 128, 4 layers, 4 heads / 2 KV groups, head_dim 32, 8 experts
+  top-2 of width 64), 8 new tokens;
+- ``compute``: hidden 256, 6 layers, 8 heads / 4 KV groups, head_dim 32, 16 experts top-4 of
+  width 256 (about 19M parameters), 24 new tokens.
+
+It also prints the machine's fp32 matmul rate on the same threads, and our update phase's model
+FLOP rate (6 x active parameters x tokens fed, over the phase's time) as a share of it.
+
+    python benchmarks/rl_step_vs_trl.py --shape tiny       # 8 RL steps, 16 prompts x 8
+    python benchmarks/rl_step_vs_trl.py --shape compute
     python benchmarks/rl_step_vs_trl.py --quick            # 4 RL steps
-    python benchmarks/rl_step_vs_trl.py --threads 4 --max-new-tokens 16
+    python benchmarks/rl_step_vs_trl.py --shape compute --paths ours --ours-override trainer.packing=false
 """
 
 from __future__ import annotations
@@ -40,6 +52,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 PATHS = ("ours", "trl")
+# Model shapes (Qwen3-MoE, untied, every layer MoE) and their generation length; --hidden etc.
+# override single fields of the chosen shape.
+SHAPES = {
+    # the CPU default (conf/model/tiny_moe.yaml), about 1.0M parameters
+    "tiny": dict(hidden=128, layers=4, heads=4, kv_groups=2, head_dim=32, experts=8, top_k=2,
+                 expert_width=64, max_new_tokens=8),
+    # compute-bound on 2 cores: about 19M parameters, 6.0M active per token
+    "compute": dict(hidden=256, layers=6, heads=8, kv_groups=4, head_dim=32, experts=16,
+                    top_k=4, expert_width=256, max_new_tokens=24),
+}
+SHAPE_FIELDS = ("hidden", "layers", "heads", "kv_groups", "head_dim", "experts", "top_k",
+                "expert_width")
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 CHARS = string.printable[:95] + "\n"  # the order of megatron_gspo.data.tokenizer.CharTokenizer
 VOCAB = 128
@@ -56,6 +80,40 @@ def thread_env(args) -> dict:
     return env
 
 
+def active_params(args) -> int:
+    """Parameters a token's forward multiplies by (weights of its matmuls): attention, the router,
+    its top-k experts (gate, up, down) and the output layer; embedding lookups and norms left out.
+    Model FLOPs of a forward + backward = 6 x this x tokens."""
+    q, kv = args.heads * args.head_dim, args.kv_groups * args.head_dim
+    attention = args.hidden * (q + 2 * kv) + q * args.hidden
+    moe = args.hidden * args.experts + args.top_k * 3 * args.hidden * args.expert_width
+    return args.layers * (attention + moe) + VOCAB * args.hidden
+
+
+def matmul_gflops(threads: int, n: int = 1024, repeats: int = 9) -> float:
+    """This machine's fp32 matmul rate on ``threads`` threads: median of square n x n products."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / statistics.median(times) / 1e9
+
+
+def model_overrides(args) -> list:
+    return [f"model.hidden_size={args.hidden}", f"model.num_layers={args.layers}",
+            f"model.num_attention_heads={args.heads}", f"model.num_query_groups={args.kv_groups}",
+            f"model.head_dim={args.head_dim}", f"model.num_experts={args.experts}",
+            f"model.top_k={args.top_k}", f"model.moe_ffn_hidden_size={args.expert_width}",
+            f"model.ffn_hidden_size={2 * args.hidden}"]
+
+
 def run_ours(args) -> dict:
     run_dir = tempfile.mkdtemp(prefix="rl_step_ours_")
     overrides = [
@@ -64,7 +122,8 @@ def run_ours(args) -> dict:
         "logging.drift=false", f"rollout.prompts_per_step={args.prompts}",
         f"rollout.group_size={args.group_size}", f"rollout.max_new_tokens={args.max_new_tokens}",
         f"algo.minibatches={args.minibatches}", f"trainer.micro_batch_size={args.micro_batch_size}",
-        f"seed={args.seed}", f"hydra.run.dir={run_dir}",
+        f"seed={args.seed}", f"hydra.run.dir={run_dir}", *model_overrides(args),
+        *args.ours_override,
     ]
     cmd = [sys.executable, "-m", "megatron_gspo", *overrides]
     out = subprocess.run(cmd, cwd=REPO, env=thread_env(args), capture_output=True, text=True)
@@ -75,6 +134,7 @@ def run_ours(args) -> dict:
     batch = args.prompts * args.group_size
     return {"step_times": [r["perf/step_time_s"] for r in steps],
             "gen_tokens": [r["rollout/response_length"] * batch for r in steps],
+            "model_tokens": [r["perf/model_tokens"] for r in steps],
             # where our step's time goes, to read the ratio against (warm-up step dropped)
             "phases_s": {k[len("perf/time/"):-2]: statistics.median(r[k] for r in steps[1:])
                          for k in steps[-1] if k.startswith("perf/time/") and
@@ -115,9 +175,11 @@ def run_trl(args) -> dict:
     tokenizer = char_tokenizer()
     assert tokenizer("rev:ab=")["input_ids"] == [1] + [3 + CHARS.index(c) for c in "rev:ab="]
     config = Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[],
+        vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+        moe_intermediate_size=args.expert_width, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_groups,
+        head_dim=args.head_dim, num_experts=args.experts, num_experts_per_tok=args.top_k,
+        norm_topk_prob=True, mlp_only_layers=[],
         decoder_sparse_step=1, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
         max_position_embeddings=2048, initializer_range=0.02, router_aux_loss_coef=1e-3,
         pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -176,10 +238,14 @@ def summarize(r: dict) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
+                   help="model shape and generation length (fields below override it)")
+    for field in SHAPE_FIELDS:
+        p.add_argument(f"--{field.replace('_', '-')}", type=int, default=None)
     p.add_argument("--steps", type=int, default=8, help="RL steps per stack (the first is warm-up)")
     p.add_argument("--prompts", type=int, default=16, help="prompts per RL step")
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the shape's")
     p.add_argument("--minibatches", type=int, default=4, help="optimizer updates per RL step")
     p.add_argument("--micro-batch-size", type=int, default=32, help="ours: rows per micro-batch")
     p.add_argument("--threads", type=int, default=2)
@@ -188,61 +254,83 @@ def main() -> None:
                    help="OMP_WAIT_POLICY for both stacks (passive | active | '' to inherit)")
     p.add_argument("--quick", action="store_true", help="4 RL steps")
     p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument("--ours-override", action="append", default=[],
+                   help="extra Hydra override for our trainer (repeatable), e.g. to time a variant")
     p.add_argument("--path", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    for field, value in SHAPES[args.shape].items():
+        if getattr(args, field) is None:
+            setattr(args, field, value)
     if args.quick:
         args.steps = 4
     if args.path == "trl":
         print(json.dumps(run_trl(args)))
+        return
+    if args.path == "matmul":
+        print(json.dumps({"gflops": matmul_gflops(args.threads)}))
         return
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first RL step is warm-up)")
     if (args.prompts * args.group_size) % args.minibatches:
         p.error("prompts x group size must divide into --minibatches updates")
 
+    def subprocess_path(path):
+        cmd = [sys.executable, os.path.abspath(__file__), "--path", path]
+        for key in ("steps", "prompts", "group_size", "max_new_tokens", "minibatches",
+                    "micro_batch_size", "threads", "seed", *SHAPE_FIELDS):
+            cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+        out = subprocess.run(cmd, cwd=REPO, env=thread_env(args), capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"{path} run failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    peak = subprocess_path("matmul")["gflops"]
     results, extra = {}, {}
     for path in args.paths.split(","):
         t0 = time.perf_counter()
-        if path == "ours":
-            raw = run_ours(args)
-        else:
-            cmd = [sys.executable, os.path.abspath(__file__), "--path", "trl"]
-            for key in ("steps", "prompts", "group_size", "max_new_tokens", "minibatches",
-                        "micro_batch_size", "threads", "seed"):
-                cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-            out = subprocess.run(cmd, cwd=REPO, env=thread_env(args), capture_output=True,
-                                 text=True)
-            if out.returncode:
-                raise RuntimeError(f"TRL run failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
-            raw = json.loads(out.stdout.strip().splitlines()[-1])
-        extra[path] = {k: v for k, v in raw.items() if k not in ("step_times", "gen_tokens")}
+        raw = run_ours(args) if path == "ours" else subprocess_path(path)
+        extra[path] = {k: v for k, v in raw.items()
+                       if k not in ("step_times", "gen_tokens", "model_tokens")}
         results[path] = summarize(raw)
         results[path]["wall_s"] = time.perf_counter() - t0
+        if "model_tokens" in raw:
+            extra[path]["model_tokens"] = statistics.median(raw["model_tokens"][1:])
 
     batch = args.prompts * args.group_size
+    active = active_params(args)
     print(f"GSPO RL step, fp32 CPU, {args.threads} threads ({os.cpu_count()} cores): "
           f"{args.prompts} prompts x {args.group_size} = {batch} completions, <= "
           f"{args.max_new_tokens} new tokens, {args.minibatches} updates of "
           f"{batch // args.minibatches}/step (ours: micro-batch {args.micro_batch_size}), "
           f"{args.steps} RL steps (first = warm-up), OMP_WAIT_POLICY="
           f"{args.omp_wait_policy or os.environ.get('OMP_WAIT_POLICY', 'unset')}")
-    print("model: Qwen3-MoE shape, vocab 128, hidden 128, 4 layers, 4 heads / 2 KV, head_dim 32, "
-          "8 experts top-2 (width 64), untied; task reverse, exact-match reward")
+    print(f"model ({args.shape}): Qwen3-MoE shape, vocab {VOCAB}, hidden {args.hidden}, "
+          f"{args.layers} layers, {args.heads} heads / {args.kv_groups} KV, head_dim "
+          f"{args.head_dim}, {args.experts} experts top-{args.top_k} (width "
+          f"{args.expert_width}), untied, {active / 1e6:.2f}M active parameters per token; "
+          f"task reverse, exact-match reward")
+    print(f"machine: fp32 matmul (1024^3, {args.threads} threads) {peak:.1f} GFLOP/s")
     if "trl" in extra:
         print(f"trl: attention {extra['trl'].get('attn')}, experts {extra['trl'].get('experts')}")
     base = results.get("trl")
-    print(f"{'path':5s} {'median s/step':>13s} {'x trl':>7s} {'first s':>8s} {'gen tok/s':>10s} "
+    print(f"{'path':5s} {'median s/step':>13s} {'speed-up':>8s} {'first s':>8s} {'gen tok/s':>10s} "
           f"{'mean len':>9s} {'steps':>6s} {'wall s':>7s}")
     for path, r in results.items():
-        ratio = f"{r['median_s'] / base['median_s']:7.2f}" if base else f"{'-':>7s}"
+        ratio = f"{base['median_s'] / r['median_s']:7.2f}x" if base else f"{'-':>8s}"
         print(f"{path:5s} {r['median_s']:13.3f} {ratio} {r['first_s']:8.2f} {r['tok_per_s']:10.0f} "
               f"{r['mean_len'] / batch:9.2f} {r['steps_timed']:6d} {r['wall_s']:7.1f}")
     if "ours" in extra:
-        phases = ", ".join(f"{k} {v:.3f}" for k, v in extra["ours"]["phases_s"].items())
-        print(f"ours, median s per phase: {phases}  (run dir {extra['ours']['run_dir']})")
+        phases = extra["ours"]["phases_s"]
+        print("ours, median s per phase: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
+              + f"  (run dir {extra['ours']['run_dir']})")
+        tokens = extra["ours"]["model_tokens"]
+        gflops = 6 * active * tokens / phases["update"] / 1e9
+        print(f"ours, update phase: {tokens:.0f} tokens x 6 x {active / 1e6:.2f}M = "
+              f"{6 * active * tokens / 1e9:.1f} GFLOP in {phases['update']:.3f} s: "
+              f"{gflops:.1f} GFLOP/s, {100 * gflops / peak:.0f}% of the fp32 matmul rate")
     if base and "ours" in results:
         print(f"speed-up of ours over TRL per RL step: "
-              f"{base['median_s'] / results['ours']['median_s']:.2f}x (below 1: ours is slower)")
+              f"{base['median_s'] / results['ours']['median_s']:.2f}x")
 
 
 if __name__ == "__main__":

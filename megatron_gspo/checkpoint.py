@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo import comm
+from megatron_gspo.optim import prefer_fused_adam, torch_optimizers
 from megatron_gspo.parallel import ParallelContext
 
 LATEST = "latest"
@@ -284,6 +285,7 @@ class CheckpointManager:
                                   f"(and {len(missing) - 1} more)")
         if same_optimizer:
             optimizer.load_state_dict(loaded["optimizer"])
+            prefer_fused_adam(optimizer)  # param groups saved before it took the fused kernel
             _unshare_adam_steps(optimizer)
         else:
             # The model weights are loaded into the model; the fresh optimizer's fp32 main copy
@@ -306,12 +308,15 @@ def _unshare_adam_steps(optimizer) -> None:
     """Megatron restores torch Adam's per-parameter ``step`` (kept once in the param groups) as
     one tensor object shared by every parameter's state; torch's foreach Adam increments each
     parameter's step in place, so a shared one advances once per parameter per update and the
-    bias correction after a resume is wrong. Each state gets its own copy."""
-    for opt in _sub_optimizers(optimizer):
-        inner = getattr(opt, "optimizer", None)
-        for state in getattr(inner, "state", {}).values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
+    bias correction after a resume is wrong. Each state gets its own copy, where torch keeps it:
+    on the parameter's device for the fused kernel, else on the host."""
+    for inner in torch_optimizers(optimizer):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state.get(p, {})
+                if torch.is_tensor(state.get("step")):
+                    device = p.device if group.get("fused") else torch.device("cpu")
+                    state["step"] = state["step"].clone().to(device)
 
 
 def _reload_main_params(optimizer) -> None:

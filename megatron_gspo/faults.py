@@ -105,6 +105,7 @@ class NonFiniteGuard:
 def all_finite(loss: Optional[torch.Tensor], grad_buffers: list, *, device: torch.device) -> bool:
     """True when the loss and every local gradient are finite on every rank (a collective over
     the world)."""
-    local = all(bool(torch.isfinite(t).all()) for t in ([loss] if loss is not None else [])
-                + list(grad_buffers))
+    tensors = ([loss] if loss is not None else []) + list(grad_buffers)
+    # One host sync for all of them (not one per buffer).
+    local = bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()) if tensors else True
     return comm.all_ranks(local, device=device)

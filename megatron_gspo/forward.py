@@ -23,6 +23,15 @@ from megatron_gspo import comm
 from megatron_gspo.parallel import ParallelContext
 from megatron_gspo.seqshard import packed_zigzag_index, zigzag_index
 
+@dataclass
+class PackedRows(PackedSeqParams):
+    """Megatron's packed-sequence parameters, plus the sequence bounds on the host and a cache
+    that the attention layers of one forward share (``layers.bucket_plan``)."""
+
+    bounds: tuple = ()
+    cache: dict = dataclasses.field(default_factory=dict)
+
+
 # Per-token fields of a micro-batch ([B, S]); context parallelism splits each of them.
 _TOKEN_FIELDS = ("tokens_BS", "targets_BS", "position_ids_BS", "old_logp_BS", "loss_mask_BS",
                  "ref_logp_BS", "seq_BS")
@@ -63,13 +72,17 @@ class MicroBatch:
                           device=self.loss_mask_BS.device)
         return out.index_add(0, self.seq_BS.reshape(-1), self.loss_mask_BS.reshape(-1))
 
-    def packed_seq_params(self):
+    def packed_seq_params(self, device: Optional[torch.device] = None):
+        """Megatron's THD parameters of a packed row, made from the host copy of ``cu_seqlens``
+        (call before ``to(device)``): the sequence bounds travel with them as Python ints, so
+        that no layer reads them back from the device."""
         if self.cu_seqlens is None:
             return None
-        longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
-        cu = self.cu_seqlens.to(torch.int32)
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                               max_seqlen_q=longest, max_seqlen_kv=longest)
+        bounds = tuple(int(x) for x in self.cu_seqlens.tolist())
+        longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        cu = self.cu_seqlens.to(device=device, dtype=torch.int32)
+        return PackedRows(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                          max_seqlen_q=longest, max_seqlen_kv=longest, bounds=bounds)
 
     def positions(self) -> torch.Tensor:
         if self.position_ids_BS is not None:
@@ -122,14 +135,17 @@ def forward_backward(gpt, micro_batches: list[MicroBatch], ctx: ParallelContext,
     n_mb = len(micro_batches)
 
     def summed(mb, logits):
-        loss, metrics = loss_fn(mb, logits)
+        with torch.profiler.record_function("module:loss"):  # a range for profiles of the step
+            loss, metrics = loss_fn(mb, logits)
         return loss * n_mb, metrics  # Megatron divides each micro-batch's loss by their number
 
     def step(data_iter, model):
-        mb = next(data_iter).for_cp_rank(ctx.cp, ctx.cp_rank).to(ctx.device)
+        share = next(data_iter).for_cp_rank(ctx.cp, ctx.cp_rank)
+        packed_seq_params = share.packed_seq_params(ctx.device)
+        mb = share.to(ctx.device)
         padding = _aux_padding(mb, ctx) if aux_mask and mb.loss_mask_BS is not None else None
         logits = model(mb.tokens_BS, mb.positions(), attention_mask=None,
-                       packed_seq_params=mb.packed_seq_params(), padding_mask=padding)
+                       packed_seq_params=packed_seq_params, padding_mask=padding)
         return logits, functools.partial(summed, mb)
 
     b, s = micro_batches[0].tokens_BS.shape

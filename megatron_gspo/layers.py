@@ -45,12 +45,67 @@ def zigzag_causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor,
     return mask
 
 
+def length_buckets(lengths: list, ratio: float = 2.0) -> list:
+    """Sequence indices grouped for padded batches: longest first, a bucket takes sequences down
+    to 1/``ratio`` of its longest. Padding a sequence of length L to its bucket's longest M costs
+    at most (M / L)^2 = 4x its own attention work, on the short sequences whose work is small;
+    the bucket count grows with log(longest / shortest), not with the number of sequences."""
+    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i])
+    buckets = []
+    for i in order:
+        if buckets and lengths[i] * ratio >= lengths[buckets[-1][0]]:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    return buckets
+
+
+def bucket_plan(bounds, device) -> list:
+    """For each length bucket of a packed row (``bounds``: cumulative sequence lengths as Python
+    ints): ``index`` [b, M] of each sequence's positions in the row, right-padded with its first
+    position, and ``real`` [b, M], False on the padding."""
+    bounds = [int(x) for x in bounds]
+    starts, lengths = bounds[:-1], [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    plan = []
+    for bucket in length_buckets(lengths):
+        m = lengths[bucket[0]]
+        start = torch.tensor([starts[i] for i in bucket])[:, None]
+        offset = torch.arange(m)[None, :]
+        real = offset < torch.tensor([lengths[i] for i in bucket])[:, None]
+        index = torch.where(real, start + offset, start)
+        plan.append((index.to(device), real.to(device)))
+    return plan
+
+
+def packed_causal_attention(q_TND, k_TGD, v_TGD, bounds, *, scale=None, dropout_p=0.0,
+                            plan=None):
+    """[T, N, D] causal attention within each sequence of a packed row (``bounds``: the
+    cumulative sequence lengths, as Python ints; ``plan``: their ``bucket_plan``, if made).
+
+    Sequences of similar length go through ``scaled_dot_product_attention`` together, right-
+    padded to the bucket's longest: under the causal rule a real query never sees a key after
+    it, so padding changes no real output (padded queries are dropped and get no gradient). The
+    work is about that of the sequences' own lengths (sum of L^2), not the packed row's (T^2)
+    that a block-diagonal mask over the whole row would cost, in a few calls instead of one per
+    sequence."""
+    if plan is None:
+        plan = bucket_plan(bounds, q_TND.device)
+    out = torch.empty_like(q_TND)
+    n, g = q_TND.shape[1], k_TGD.shape[1]
+    for index, real in plan:
+        q, k, v = (t[index].permute(0, 2, 1, 3) for t in (q_TND, k_TGD, v_TGD))  # [b, N, M, D]
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                           scale=scale, enable_gqa=(n != g))
+        out[index[real]] = o.permute(0, 2, 1, 3)[real]
+    return out
+
+
 class SDPAttention(DotProductAttention):
     """Core attention through ``torch.nn.functional.scaled_dot_product_attention``.
 
     Flash / memory-efficient kernels on GPU, an exact math kernel on CPU, GQA without materialising
     repeated K/V, causal, bottom-right causal (decoding with a KV cache) and packed (THD) rows
-    (causal attention within each sequence, one sequence at a time).
+    (causal attention within each sequence: ``packed_causal_attention``).
 
     Context parallelism (Megatron's ``all_gather`` CP communication type): each rank holds the
     zigzag chunks r and 2cp-1-r of every sequence; K and V are all-gathered over the CP group
@@ -115,15 +170,20 @@ class SDPAttention(DotProductAttention):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         dropout = self.attention_dropout.p if self.training else 0.0
         if thd and not self.context_parallel:
-            # Causal attention within each packed sequence, one sequence at a time: the work of
-            # the sequences' own lengths (sum of L^2), not of the packed row (N^2) that a
-            # block-diagonal mask over the whole row would cost.
-            bounds = packed_seq_params.cu_seqlens_q.tolist()
-            out_BNSD = torch.cat([F.scaled_dot_product_attention(
-                q_BNSD[:, :, a:b], k_BGSD[:, :, a:b], v_BGSD[:, :, a:b], dropout_p=dropout,
-                is_causal=True, scale=self.softmax_scale, enable_gqa=(n != g))
-                for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dim=2)
-            return out_BNSD.permute(2, 0, 1, 3).reshape(sq, n * d)
+            # Our packed rows carry their bounds and a cache shared by the layers of a forward:
+            # the bucket plan is made once per micro-batch, without reading the device.
+            bounds = getattr(packed_seq_params, "bounds", None) or \
+                packed_seq_params.cu_seqlens_q.tolist()
+            cache = getattr(packed_seq_params, "cache", None)
+            plan = None
+            if cache is not None:
+                if "bucket_plan" not in cache:
+                    cache["bucket_plan"] = bucket_plan(bounds, query.device)
+                plan = cache["bucket_plan"]
+            out_TND = packed_causal_attention(query[:, 0], key[:, 0], value[:, 0], bounds,
+                                              scale=self.softmax_scale, dropout_p=dropout,
+                                              plan=plan)
+            return out_TND.reshape(sq, n * d)
         if self.context_parallel:
             pass  # the mask in global positions, from _gather_keys
         elif attention_mask is not None:

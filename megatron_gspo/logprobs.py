@@ -91,6 +91,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 ent_N[s:s + chunk] = ent_C
         ctx.save_for_backward(logits_NV, target_N, lse_N, ent_N)
         ctx.args = (vocab_start, chunk, temperature, with_entropy, inplace)
+        # An output outside the loss (the entropy, kept as a metric) gets no gradient: its
+        # backward term is skipped rather than computed from zeros.
+        ctx.set_materialize_grads(False)
         return logp_N, ent_N
 
     @staticmethod
@@ -98,6 +101,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         logits_NV, target_N, lse_N, ent_N = ctx.saved_tensors
         vocab_start, chunk, temperature, with_entropy, inplace = ctx.args
         dtype = lse_N.dtype
+        if grad_logp_N is None:
+            grad_logp_N = torch.zeros_like(lse_N)
         # In place: each chunk's logits are read before its gradient overwrites them, so the
         # backward needs no [N, V] buffer beyond the logits themselves.
         grad_NV = logits_NV if inplace else torch.empty_like(logits_NV)

@@ -19,7 +19,10 @@ TensorBoard tags written every RL step (``moe/`` tags: see ``moe.instrument``):
   make them: ``rollout/sampling_rounds``, ``rollout/dropped_groups`` (dynamic sampling),
   ``rollout/overlong_masked``, ``rollout/overlong_penalty``
 - ``eval/accuracy`` (held-out greedy accuracy, at evaluations)
-- ``perf/step_time_s``, ``perf/tokens_per_s`` (trained tokens / step time), and
+- ``perf/step_time_s``, ``perf/tokens_per_s`` (trained tokens / step time),
+  ``perf/model_tokens`` (prompt and response tokens of the step's samples: what one pass over
+  the batch feeds the model, padding left out; model FLOPs of the update phase = 6 x active
+  parameters x this), and
   ``perf/time/PHASE_s`` for rollout, reward, old_logprobs, update, weight_sync, checkpoint (the
   last in TensorBoard only: the step's row is written before its checkpoint)
 - ``sft/loss`` during the supervised warm-up

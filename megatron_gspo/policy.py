@@ -117,6 +117,8 @@ def policy_update(ddp, optimizer, mbs: list[MicroBatch], ctx: ParallelContext, a
     def loss_fn(mb, logits):
         logp, ent = token_logprobs(logits, mb.targets_BS, group=ctx.tp_group, temperature=temperature,
                                    with_entropy=True)
+        if not options.get("entropy_coef"):
+            ent = ent.detach()  # a metric only: no entropy gradient to compute in the backward
         kwargs = dict(clip_low=algo.clip_low, clip_high=algo.clip_high, normalizer=normalizer,
                       reducer=reducer, **options)
         if mb.packed:  # the row's segments are the sequences

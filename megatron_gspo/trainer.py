@@ -63,7 +63,7 @@ from moe.replay import RoutingReplay
 
 
 class Timers:
-    """Wall time per phase of one step."""
+    """Wall time per phase of one step (each phase also a profiler range, ``phase:NAME``)."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
@@ -72,7 +72,8 @@ class Timers:
     def __call__(self, name: str):
         t0 = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"phase:{name}"):
+                yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
@@ -444,11 +445,12 @@ def step_metrics(run: Run, step, batch, samples, results, drift, timers, seconds
     mismatch_sum = 0.0 if recomputed is None else float(
         ((batch.engine_logp_BS - recomputed).abs() * mask).sum())
     informative = batch.informative_B.double()
-    (reward_sum, reward_sq, length_sum, truncated, informative_sum, mismatch, tokens,
+    (reward_sum, reward_sq, length_sum, truncated, informative_sum, mismatch, tokens, fed,
      n) = comm.reduce_values(
         [rewards.sum(), (rewards ** 2).sum(), sum(len(s.response_ids) for s in samples),
          sum(s.finish_reason == "length" for s in samples), informative.sum(), mismatch_sum,
-         float(mask.sum()), len(samples)], device=ctx.device, group=ctx.dp_group)
+         float(mask.sum()), sum(len(s.prompt_ids) + len(s.response_ids) for s in samples),
+         len(samples)], device=ctx.device, group=ctx.dp_group)
     mean = reward_sum / n
     m["rollout/reward_mean"] = mean
     m["rollout/reward_std"] = max(reward_sq / n - mean * mean, 0.0) ** 0.5
@@ -461,6 +463,7 @@ def step_metrics(run: Run, step, batch, samples, results, drift, timers, seconds
         m[f"perf/time/{name}_s"] = sec
     m["perf/step_time_s"] = seconds
     m["perf/tokens_per_s"] = tokens / max(seconds, 1e-9)
+    m["perf/model_tokens"] = fed
     m["minibatch/ratio_mean"] = [float(r.metrics.get("ratio_mean", float("nan"))) for r in results]
     m["minibatch/clip_fraction"] = [float(r.metrics.get("clip_fraction", float("nan")))
                                     for r in results]

@@ -134,6 +134,7 @@ class RoutingReplay:
         """Replay ``targets`` (per forward, per local MoE layer, [N, K] expert ids) in order."""
         if self._mode is not None:
             raise RuntimeError(f"routing replay is already in {self._mode} mode")
+        checks = []  # (forward, layer, in range) for every target: one host sync for all
         for i, forward in enumerate(targets):
             if len(forward) != self.num_layers:
                 raise RoutingRecordError(f"routes for forward {i} cover {len(forward)} MoE layers, "
@@ -144,9 +145,15 @@ class RoutingReplay:
                 if t.dim() != 2 or t.shape[1] != top_k:
                     raise RoutingRecordError(f"routes for forward {i}, MoE layer {layer}: shape "
                                              f"{tuple(t.shape)}, expected [tokens, {top_k}]")
-                if t.numel() and (int(t.min()) < 0 or int(t.max()) >= num_experts):
-                    raise RoutingRecordError(f"routes for forward {i}, MoE layer {layer}: expert "
-                                             f"ids outside [0, {num_experts - 1}]")
+                if t.numel():
+                    checks.append((i, layer, ((t >= 0) & (t < num_experts)).all()))
+        if checks:
+            ok_each = torch.stack([c[2] for c in checks]).cpu()
+            if not bool(ok_each.all()):
+                i, layer, _ = checks[int((~ok_each).nonzero()[0, 0])]
+                num_experts = self.routers[layer].config.num_moe_experts
+                raise RoutingRecordError(f"routes for forward {i}, MoE layer {layer}: expert "
+                                         f"ids outside [0, {num_experts - 1}]")
         self._pending = [deque(t[layer].long() for t in targets) for layer in range(self.num_layers)]
         self._mode = "replay"
         self._set(RouterReplayAction.REPLAY_FORWARD)

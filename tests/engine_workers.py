@@ -56,7 +56,7 @@ def engine_vs_trainer_job(parallel_kwargs, prompts, params_kwargs):
 
     cfg, ctx, gpt, replay, engine = _setup(parallel_kwargs)
     params = SamplingParams(**params_kwargs)
-    samples = engine.generate(prompts, 2, params)
+    samples = engine.generate(prompts, 4, params)
     worst_logp, routes_equal, shapes = 0.0, True, []
     temperature = params.temperature or 1.0
     for s in samples:
@@ -74,6 +74,7 @@ def engine_vs_trainer_job(parallel_kwargs, prompts, params_kwargs):
         routes_equal &= same
         shapes.append(tuple(s.routes_TLK.shape))
     return dict(worst_logp=worst_logp, routes_equal=routes_equal, shapes=shapes,
+                decode_rows=engine.decode_rows,
                 lengths=[len(s.response_ids) for s in samples],
                 reasons=[s.finish_reason for s in samples],
                 all_logp_nonpositive=all(bool((s.logprobs_R <= 0).all()) for s in samples))

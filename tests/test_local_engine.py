@@ -9,14 +9,18 @@ from tests.engine_workers import (big_batch_job, cache_vs_recompute_job, engine_
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [1]]
 
 
+# Stop ids that end about one response in five per token: rows finish at different steps, and
+# the decoding batch compacts.
+STOPS = tuple(range(0, 128, 5))
+
 CASES = [
-    (1, {}, dict(max_new_tokens=6, temperature=1.0, seed=0)),
+    (1, {}, dict(max_new_tokens=6, temperature=1.0, seed=0, stop_token_ids=STOPS)),
     (1, {}, dict(max_new_tokens=5, temperature=0.7, top_k=10, top_p=0.9, seed=1)),
     (1, {}, dict(max_new_tokens=5, temperature=0.0)),
-    (2, dict(ep=2), dict(max_new_tokens=5, temperature=1.0, seed=2)),
+    (2, dict(ep=2), dict(max_new_tokens=5, temperature=1.0, seed=2, stop_token_ids=STOPS)),
     (2, dict(tp=2, sequence_parallel=True), dict(max_new_tokens=5, temperature=1.0, seed=3)),
     (4, dict(tp=2, ep=2, sequence_parallel=True), dict(max_new_tokens=4, temperature=0.0)),
-    (2, dict(pp=2), dict(max_new_tokens=5, temperature=1.0, seed=4)),
+    (2, dict(pp=2), dict(max_new_tokens=6, temperature=1.0, seed=4, stop_token_ids=STOPS)),
 ]
 
 
@@ -43,10 +47,20 @@ def runs():
                          ids=[f"world{w}-{'-'.join(map(str, layout.values())) or 'single'}"
                               for w, layout, _ in CASES])
 def test_engine_logprobs_and_routes_equal_the_trainers(runs, case):
+    stops = CASES[case][2].get("stop_token_ids")
     for r in runs["layouts"][case]:
         assert r["worst_logp"] <= 1e-5
         assert r["routes_equal"]
         assert r["all_logp_nonpositive"]
+        rows = r["decode_rows"]  # rows fed per decoding forward: the batch only shrinks
+        assert rows == sorted(rows, reverse=True) and rows[0] <= 4 * len(PROMPTS)
+        if not stops:
+            assert rows == [4 * len(PROMPTS)] * len(rows)
+        else:  # rows ended at different steps, and finished rows left the batch
+            assert len(set(r["lengths"])) >= 3 and "stop" in r["reasons"]
+            assert rows[-1] < 4 * len(PROMPTS)
+            # forward t feeds step t's tokens: every row still decoding (longer than t + 1)
+            assert all(rows[t] >= sum(n > t + 1 for n in r["lengths"]) for t in range(len(rows)))
 
 
 def test_stop_tokens_end_responses(runs):
@@ -96,3 +110,31 @@ def test_logprobs_under_top_k_top_p_are_of_the_untruncated_distribution():
         truncated = torch.log(p[t] / p[kept].sum())
         if len(kept) < 16:
             assert float(truncated) > float(logp[row])
+
+
+def test_row_noise_is_gumbel_keyed_by_seed_step_and_id():
+    """The counter-based noise: standard Gumbel moments, a pure function of (seed, step, id)
+    whatever the batch, different for another seed or step, and Gumbel-max sampling reproduces
+    the softmax probabilities."""
+    import math
+
+    import torch
+
+    from megatron_gspo.rollout.local_engine import row_noise
+
+    seeds = torch.tensor([0, 1, 2**40 + 7, -5, 123456789])
+    noise = row_noise(seeds, 3, 50000)
+    assert noise.shape == (5, 50000) and torch.isfinite(noise).all()
+    flat = noise.double().flatten()
+    assert abs(float(flat.mean()) - 0.5772) < 0.01  # Euler-Mascheroni
+    assert abs(float(flat.std()) - math.pi / math.sqrt(6)) < 0.01
+    assert torch.equal(row_noise(seeds[2:4], 3, 50000), noise[2:4])  # batch-independent
+    assert not torch.equal(row_noise(seeds, 4, 50000), noise)
+    assert len({tuple(row[:8].tolist()) for row in noise}) == 5  # every seed its own noise
+    logits = torch.tensor([1.0, 0.0, -1.0, 2.0])
+    draws = 20000
+    picks = torch.stack([(logits + row_noise(torch.arange(draws), step, 4)).argmax(-1)
+                         for step in range(2)]).flatten()
+    freq = torch.bincount(picks, minlength=4).double() / (2 * draws)
+    probs = torch.softmax(logits.double(), 0)
+    assert float((freq - probs).abs().max()) < 0.01

@@ -26,14 +26,34 @@ from megatron_gspo.parallel import ParallelContext
 from megatron_gspo.rollout.types import Sample, SamplingParams, row_seed
 
 
-def row_noise(row_seeds: list, step: int, vocab: int) -> torch.Tensor:
-    """[B, V] Gumbel noise, a pure function of each row's seed and the decoding step: a row samples
-    the same tokens whichever rank, batch or position in the batch generates it."""
-    out = torch.empty(len(row_seeds), vocab)
-    for r, seed in enumerate(row_seeds):
-        g = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63 - 1))
-        out[r] = torch.rand(vocab, generator=g)
-    return -torch.log(-torch.log(out.clamp(1e-20, 1.0 - 1e-7)))
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2^32 for int64 tensors x < 2^32 without overflowing int64 (c split in halves)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash with full avalanche (C. Wellons' "lowbias32")."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def row_noise(row_seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """[B, V] Gumbel noise, a pure function of each row's seed, the decoding step and the vocab id
+    (a counter-based hash, computed for the whole batch at once on the seeds' device): a row
+    samples the same tokens whichever rank, batch or position in the batch generates it."""
+    seeds = row_seeds.to(torch.int64)
+    key = _mix32((seeds & _MASK32) ^ _mix32(((seeds >> 32) & _MASK32) ^ 0x9E3779B9))
+    key = _mix32(key ^ _mix32(torch.full_like(key, (step * 0x632BE5AB + 1) & _MASK32)))
+    ids = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    bits = _mix32(_mix32(key[:, None] ^ _mul32(ids, 0x9E3779B9)[None, :]) ^ key[:, None])
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / 2 ** 24)  # 24 bits: exact in fp32, in (0, 1)
+    return -torch.log(-torch.log(uniform))
 
 
 def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator=None, noise_BV=None):
@@ -47,7 +67,8 @@ def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator=None,
         logq = torch.log_softmax(logits, -1)
         return token, logq.gather(-1, token[:, None])[:, 0]
     logq = torch.log_softmax(logits / params.temperature, -1)
-    filtered = logq.clone()
+    truncated = 0 < params.top_k < logq.shape[-1] or params.top_p < 1.0
+    filtered = logq.clone() if truncated else logq
     if params.top_k > 0 and params.top_k < filtered.shape[-1]:
         kth = filtered.topk(params.top_k, -1).values[:, -1:]
         filtered[filtered < kth] = -float("inf")
@@ -103,12 +124,13 @@ class LocalEngine:
             return None
         return out
 
-    def _from_last_stage(self, *tensors):
-        """The last stage's sampled tokens and log-probs (on the run's device), on every stage,
-        as host tensors."""
-        for t in tensors:
-            comm.broadcast_tensor(t, src_in_group=self.ctx.pp - 1, group=self.ctx.pp_group)
-        return tuple(t.cpu() for t in tensors)
+    def _from_last_stage(self, token, logp):
+        """The last stage's sampled tokens and log-probs on every stage, in one broadcast (ids
+        are exact in fp64), as host tensors: the step's one device-to-host copy."""
+        both = torch.stack([token.to(torch.float64), logp.to(torch.float64)])
+        comm.broadcast_tensor(both, src_in_group=self.ctx.pp - 1, group=self.ctx.pp_group)
+        both = both.cpu()
+        return both[0].long(), both[1].float()
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int,
@@ -117,7 +139,11 @@ class LocalEngine:
         """``samples_per_prompt`` responses per prompt. With ``params.seed``, response r of the
         request (counting from ``first_row``) samples from noise keyed by
         (``row_seed(seed, first_row + r)``, position): the same tokens whichever data-parallel
-        rank or batch generates it. ``row_seeds`` gives each row's seed explicitly instead."""
+        rank or batch generates it. ``row_seeds`` gives each row's seed explicitly instead.
+
+        Rows that have finished leave the decoding batch: when the rows still decoding fall to
+        3/4 of the batch, the batch and its KV cache keep only them (ranks in lockstep keep the
+        same number of rows, the most any of them still decodes)."""
         params.validate()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -133,9 +159,11 @@ class LocalEngine:
         if row_seeds is not None:
             if len(row_seeds) != b:
                 raise ValueError(f"{len(row_seeds)} row seeds for {b} rows")
-            row_seeds = list(row_seeds)
         elif params.seed is not None:
             row_seeds = [row_seed(params.seed, first_row + r) for r in range(b)]
+        seeds_B = None
+        if row_seeds is not None and params.temperature > 0:
+            seeds_B = torch.tensor(list(row_seeds), dtype=torch.int64, device=self.ctx.device)
 
         icx = StaticInferenceContext(max_batch_size=b, max_sequence_length=s_len)
         was_training = self.gpt.training
@@ -147,10 +175,13 @@ class LocalEngine:
         if sp:
             set_model_to_sequence_parallel(self.gpt, False, exclude_modules=[BaseMoELayer])
         recording = self.replay.record() if self.replay is not None else contextlib.nullcontext()
-        out_tokens, out_logp = [], []
+        tokens_BR = torch.full((b, params.max_new_tokens), self.pad_id, dtype=torch.long)
+        logp_BR = torch.zeros(b, params.max_new_tokens)
         finished = torch.zeros(b, dtype=torch.bool)
         lengths = torch.zeros(b, dtype=torch.long)  # response tokens per row
         stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long)
+        batch = torch.arange(b)  # the rows in the decoding batch, in its order
+        fed = []  # the rows of each decoding forward
         try:
             with recording as recorded, context_parallel_disabled(self.gpt):
                 causal = torch.ones(p_len, p_len, dtype=torch.bool).tril()
@@ -159,28 +190,26 @@ class LocalEngine:
                                        (~attend)[:, None], icx)
                 icx.sequence_len_offset += p_len
                 for step in range(params.max_new_tokens):
-                    if logits is not None:
-                        noise = None
-                        if row_seeds is not None and params.temperature > 0:
-                            noise = row_noise(row_seeds, step, logits.shape[-1])
-                        token, logp = sample_next(logits[:, -1], params, noise_BV=noise)
-                        logp = logp.float()
-                    else:
-                        token = torch.zeros(b, dtype=torch.long, device=self.ctx.device)
-                        logp = torch.zeros(b, device=self.ctx.device)
-                    token, logp = self._from_last_stage(token, logp)
-                    token = torch.where(finished, self.pad_id, token)
-                    out_tokens.append(token)
-                    out_logp.append(logp)
-                    lengths += (~finished).long()
+                    token, logp = self._sample(logits, params, seeds_B, batch, step)
+                    live = ~finished[batch]
+                    token = torch.where(live, token, self.pad_id)
+                    tokens_BR[batch, step] = token
+                    logp_BR[batch, step] = torch.where(live, logp, 0.0)
+                    lengths[batch] += live.long()
                     if len(stop):
-                        finished |= torch.isin(token, stop)
-                    if self._all_finished(finished) or step == params.max_new_tokens - 1:
+                        finished[batch] |= torch.isin(token, stop)
+                    decoding = self._still_decoding(int((~finished[batch]).sum()))
+                    if decoding == 0 or step == params.max_new_tokens - 1:
                         break
+                    if decoding <= 3 * len(batch) // 4:
+                        keep = self._compact(icx, batch, finished, decoding)
+                        batch, token = batch[keep], token[keep]
                     offset = icx.sequence_len_offset
                     icx.enable_decode_mode()
-                    mask = ~valid_BS[:, None, None, :offset + 1]
-                    logits = self._forward(token[:, None], torch.full((b, 1), offset), mask, icx)
+                    mask = ~valid_BS[batch][:, None, None, :offset + 1]
+                    logits = self._forward(token[:, None], torch.full((len(batch), 1), offset),
+                                           mask, icx)
+                    fed.append(batch)
                     icx.sequence_len_offset += 1
                     valid_BS[:, offset] = True
         finally:
@@ -188,27 +217,64 @@ class LocalEngine:
                 set_model_to_sequence_parallel(self.gpt, True, exclude_modules=[BaseMoELayer])
             if was_training:
                 self.gpt.train()
-        tokens_BR = torch.stack(out_tokens, 1)
-        logp_BR = torch.stack(out_logp, 1)
+        self.decode_rows = [len(f) for f in fed]  # rows fed per decoding forward (for tests)
         routes = self._routes(recorded.forwards, b, p_len) if self.replay is not None else None
         if routes is not None and self.ctx.pp > 1:  # every stage holds its own layers' routes
             stages = [None] * self.ctx.pp
             dist.all_gather_object(stages, routes, group=self.ctx.pp_group)
             routes = [torch.cat([stage[i] for stage in stages], dim=-2) for i in range(len(routes))]
+        position = []  # each decoding forward: row -> its place in that forward's batch
+        for rows_fed in fed:
+            where = torch.full((b,), -1, dtype=torch.long)
+            where[rows_fed] = torch.arange(len(rows_fed))
+            position.append(where.tolist())
+        stop_ids = set(stop.tolist())
         samples = []
         for r, (i, prompt) in enumerate(rows):
             n = int(lengths[r])
             response = tokens_BR[r, :n].tolist()
-            reason = "stop" if n and len(stop) and response[-1] in stop.tolist() else "length"
+            reason = "stop" if n and response[-1] in stop_ids else "length"
             sample_routes = None
             if routes is not None:  # prompt positions, then every response token fed back
                 prompt_part = routes[0][r, p_len - len(prompt):]
-                fed = [routes[1 + t][r] for t in range(max(0, n - 1))]
-                sample_routes = torch.cat([prompt_part, *[f[None] for f in fed]])
+                fed_back = [routes[1 + t][position[t][r]] for t in range(max(0, n - 1))]
+                sample_routes = torch.cat([prompt_part, *[f[None] for f in fed_back]])
             samples.append(Sample(prompt_ids=prompt, response_ids=response,
                                   logprobs_R=logp_BR[r, :n].clone(), finish_reason=reason,
                                   routes_TLK=sample_routes, prompt_index=i))
         return samples
+
+    def _sample(self, logits, params, seeds_B, batch, step):
+        """The batch's next tokens and their log-probs (host tensors), sampled on the last stage."""
+        if logits is not None:
+            noise = None
+            if seeds_B is not None:
+                noise = row_noise(seeds_B[batch.to(seeds_B.device)], step, logits.shape[-1])
+            token, logp = sample_next(logits[:, -1], params, noise_BV=noise)
+        else:
+            token = torch.zeros(len(batch), dtype=torch.long, device=self.ctx.device)
+            logp = torch.zeros(len(batch), device=self.ctx.device)
+        return self._from_last_stage(token, logp)
+
+    def _still_decoding(self, count: int) -> int:
+        """Rows still decoding: this rank's, or the most of any rank in lockstep."""
+        if self.lockstep is None:
+            return count
+        return int(comm.reduce_values([count], device=self.ctx.device, group=self.lockstep,
+                                      op="max", dtype=torch.int64)[0])
+
+    @staticmethod
+    def _compact(icx, batch, finished, size: int) -> torch.Tensor:
+        """Shrink the decoding batch to ``size`` rows: the unfinished ones first (in order), then
+        finished ones if ``size`` asks for more (lockstep); the KV cache keeps their entries.
+        Returns the kept places of the current batch."""
+        done = finished[batch]
+        keep = torch.cat([(~done).nonzero()[:, 0], done.nonzero()[:, 0]])[:size]
+        keep = keep.sort().values
+        for layer, (k, v) in list(icx.key_value_memory_dict.items()):
+            index = keep.to(k.device)
+            icx.key_value_memory_dict[layer] = (k.index_select(1, index), v.index_select(1, index))
+        return keep
 
     def _agree(self, p_len: int, b: int) -> int:
         """The padded prompt length of the lockstep group (whose row counts must be equal)."""
@@ -222,12 +288,6 @@ class LocalEngine:
                              f"has {b}, another {most if most != b else -fewest}")
         return int(longest)
 
-    def _all_finished(self, finished: torch.Tensor) -> bool:
-        done = bool(finished.all())
-        if self.lockstep is None:
-            return done
-        return comm.all_ranks(done, device=self.ctx.device, group=self.lockstep)
-
     @staticmethod
     def _routes(forwards: list, b: int, p_len: int) -> list:
         """Recorded routes per forward as [B, positions, L, K]: the prefill (Megatron's [s, b]
@@ -237,6 +297,6 @@ class LocalEngine:
             stacked = torch.stack(per_layer, 1)  # [N, L, K]
             if i == 0:
                 out.append(stacked.reshape(p_len, b, *stacked.shape[1:]).transpose(0, 1))
-            else:
-                out.append(stacked.reshape(b, *stacked.shape[1:]))
+            else:  # the rows of that forward's (possibly compacted) batch
+                out.append(stacked)
         return out

@@ -125,6 +125,14 @@ def instrument(run) -> None:
     # The policy loss (log-probs of the targets and the objective) is a range of forward.py.
 
 
+def nearest_range(e, prefix="module:"):
+    """The kind of the innermost ``prefix`` range around event ``e`` (None outside any)."""
+    p = e.cpu_parent
+    while p is not None and not p.name.startswith(prefix):
+        p = p.cpu_parent
+    return p.name[len(prefix):] if p is not None else None
+
+
 def attribute(events) -> tuple[dict, dict, dict]:
     """(kind -> phase -> seconds of operators, phase -> seconds of its ranges, phase -> seconds
     of operators): forward operators by their nearest module range, autograd nodes by the range
@@ -132,11 +140,7 @@ def attribute(events) -> tuple[dict, dict, dict]:
     def is_range(e):
         return e.name.startswith(("module:", "phase:"))
 
-    def nearest(e, prefix):
-        p = e.cpu_parent
-        while p is not None and not p.name.startswith(prefix):
-            p = p.cpu_parent
-        return p.name[len(prefix):] if p is not None else None
+    nearest = nearest_range
 
     seq_kind = {}
     for e in events:
@@ -176,6 +180,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--top", type=int, default=12, help="also list the N costliest operators")
+    p.add_argument("--detail", default=None, choices=KINDS,
+                   help="also list the operators run under one kind of module")
+    p.add_argument("--detail-phase", default=None, choices=PHASES,
+                   help="with --detail: only in this phase")
     args = p.parse_args()
     for field, value in SHAPES[args.shape].items():
         if getattr(args, field) is None:
@@ -228,6 +236,17 @@ def main() -> None:
     table = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:args.top]
     for a in table:
         print(f"  {a.key[:60]:60s} {a.self_cpu_time_total / 1e3 / steps:9.1f}  x{a.count // steps}")
+    if args.detail:
+        print(f"\noperators under '{args.detail}' (self time, ms per step, forward only):")
+        by_name = collections.defaultdict(lambda: [0.0, 0])
+        for e in prof.events():
+            kind = nearest_range(e) or "other ops"
+            phase_ok = args.detail_phase is None or nearest_range(e, "phase:") == args.detail_phase
+            if not e.name.startswith(("module:", "phase:")) and kind == args.detail and phase_ok:
+                by_name[e.name][0] += e.self_cpu_time_total / 1e3 / steps
+                by_name[e.name][1] += 1
+        for name, (ms, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:args.top]:
+            print(f"  {name[:60]:60s} {ms:9.1f}  x{count // steps}")
     run.logger.close()
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import string
@@ -134,7 +135,7 @@ def run_ours(args) -> dict:
     batch = args.prompts * args.group_size
     return {"step_times": [r["perf/step_time_s"] for r in steps],
             "gen_tokens": [r["rollout/response_length"] * batch for r in steps],
-            "model_tokens": [r["perf/model_tokens"] for r in steps],
+            "model_tokens": [r.get("perf/model_tokens", math.nan) for r in steps],
             # where our step's time goes, to read the ratio against (warm-up step dropped)
             "phases_s": {k[len("perf/time/"):-2]: statistics.median(r[k] for r in steps[1:])
                          for k in steps[-1] if k.startswith("perf/time/") and
@@ -325,9 +326,10 @@ def main() -> None:
               + f"  (run dir {extra['ours']['run_dir']})")
         tokens = extra["ours"]["model_tokens"]
         gflops = 6 * active * tokens / phases["update"] / 1e9
-        print(f"ours, update phase: {tokens:.0f} tokens x 6 x {active / 1e6:.2f}M = "
-              f"{6 * active * tokens / 1e9:.1f} GFLOP in {phases['update']:.3f} s: "
-              f"{gflops:.1f} GFLOP/s, {100 * gflops / peak:.0f}% of the fp32 matmul rate")
+        if not math.isnan(tokens):  # (a trainer older than perf/model_tokens does not log it)
+                print(f"ours, update phase: {tokens:.0f} tokens x 6 x {active / 1e6:.2f}M = "
+                  f"{6 * active * tokens / 1e9:.1f} GFLOP in {phases['update']:.3f} s: "
+                  f"{gflops:.1f} GFLOP/s, {100 * gflops / peak:.0f}% of the fp32 matmul rate")
     if base and "ours" in results:
         print(f"speed-up of ours over TRL per RL step: "
               f"{base['median_s'] / results['ours']['median_s']:.2f}x")

@@ -106,6 +106,9 @@ def all_finite(loss: Optional[torch.Tensor], grad_buffers: list, *, device: torc
     """True when the loss and every local gradient are finite on every rank (a collective over
     the world)."""
     tensors = ([loss] if loss is not None else []) + list(grad_buffers)
-    # One host sync for all of them (not one per buffer).
-    local = bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()) if tensors else True
+    # A tensor's sum is finite exactly when all its values are (a NaN or an infinity reaches
+    # the sum; finite gradients do not add up to 3e38): one read of each buffer instead of the
+    # several passes of isfinite, and one host sync for all of them.
+    sums = [t.sum(dtype=torch.float32) if t.dtype != torch.float64 else t.sum() for t in tensors]
+    local = bool(torch.isfinite(torch.stack(sums)).all()) if tensors else True
     return comm.all_ranks(local, device=device)

@@ -16,6 +16,8 @@ otherwise the parent's loop runs.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -43,6 +45,22 @@ def grouped_linear(x_TH: torch.Tensor, weights_EOH: torch.Tensor, offsets_E: tor
 class GroupedSequentialMLP(SequentialMLP):
     """``SequentialMLP`` whose forward runs the local experts as grouped matmuls."""
 
+    # Inside ``cached_expert_weights``: a dict holding this layer's stacked weights.
+    weight_cache = None
+
+    def _stacked_weights(self):
+        """[E, out, in] stacks of the experts' fc1 and fc2 weights: made in every forward that
+        autograd records (their gradients flow back to each expert's parameters), and once per
+        ``cached_expert_weights`` block otherwise."""
+        cache = None if torch.is_grad_enabled() else self.weight_cache
+        if cache is not None and "w" in cache:
+            return cache["w"]
+        w = (torch.stack([e.linear_fc1.weight for e in self.local_experts]),
+             torch.stack([e.linear_fc2.weight for e in self.local_experts]))
+        if cache is not None:
+            cache["w"] = w
+        return w
+
     def _grouped_ok(self, x: torch.Tensor) -> bool:
         c = self.config
         first = self.local_experts[0]
@@ -63,8 +81,7 @@ class GroupedSequentialMLP(SequentialMLP):
             return super().forward(x, tokens_per_expert, permuted_probs)
         counts = torch.as_tensor(tokens_per_expert, device=x.device)
         offsets = counts.cumsum(0).to(torch.int32)
-        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])
-        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])
+        w1, w2 = self._stacked_weights()
         h = grouped_linear(x, w1, offsets)
         c = self.config
         if c.gated_linear_unit:  # as mlp.MLP's unfused path
@@ -77,3 +94,19 @@ class GroupedSequentialMLP(SequentialMLP):
             h = c.activation_func(h)
         h = (h * permuted_probs.unsqueeze(-1)).to(x.dtype)
         return grouped_linear(h, w2, offsets), None
+
+
+@contextlib.contextmanager
+def cached_expert_weights(model):
+    """Within the block, forwards without autograd stack each layer's expert weights once and
+    reuse them (generation: tens of forwards with unchanged weights; stacking copies all of a
+    layer's experts each time). Costs one copy of the local expert weights while it lasts; the
+    copies are dropped on exit, so a later weight update is never missed."""
+    layers = [m for m in model.modules() if isinstance(m, GroupedSequentialMLP)]
+    for m in layers:
+        m.weight_cache = {}
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.weight_cache = None

@@ -21,6 +21,7 @@ from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
 from megatron_gspo import comm
+from megatron_gspo.grouped_experts import cached_expert_weights
 from megatron_gspo.layers import context_parallel_disabled
 from megatron_gspo.parallel import ParallelContext
 from megatron_gspo.rollout.types import Sample, SamplingParams, row_seed
@@ -183,7 +184,8 @@ class LocalEngine:
         batch = torch.arange(b)  # the rows in the decoding batch, in its order
         fed = []  # the rows of each decoding forward
         try:
-            with recording as recorded, context_parallel_disabled(self.gpt):
+            with recording as recorded, context_parallel_disabled(self.gpt), \
+                    cached_expert_weights(self.gpt):
                 causal = torch.ones(p_len, p_len, dtype=torch.bool).tril()
                 attend = causal[None] & valid_BS[:, None, :p_len]
                 logits = self._forward(tokens_BP, torch.arange(p_len).expand(b, p_len),

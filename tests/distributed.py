@@ -1,4 +1,4 @@
-"""Spawn real gloo ranks for a test: each rank is a fresh process with a torchrun-like environment.
+"""Start real gloo ranks for a test: each rank is a fresh process with a torchrun-like environment.
 
 ``run_ranks(fn, world_size, *args)`` runs ``fn(*args)`` on every rank and returns the per-rank
 return values (anything ``torch.save`` can serialise). A failure on any rank raises with that rank's
@@ -25,7 +25,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, results):
+# Ranks start from a fork server that has imported these once (torch and megatron-core take
+# about 8 s to import on a 2-core machine, per process): each rank is still a fresh process,
+# forked before any thread pool, process group or model exists.
+PRELOAD = ["megatron_gspo.trainer", "megatron_gspo.hf_qwen3moe", "tests.trainer_workers"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # used when the server starts (on first use)
+    return ctx
+
+
+def _entry(rank, world_size, port, fn, args, results, parent):
+    # What a spawned rank would inherit from the parent now (the fork server holds its own).
+    environ, cwd, path = parent
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    sys.path[:] = path
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
@@ -50,10 +68,12 @@ def _entry(rank, world_size, port, fn, args, results):
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 300.0) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results), daemon=False)
+    parent = (dict(os.environ), os.getcwd(), list(sys.path))
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, parent),
+                         daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -56,6 +56,15 @@ def engine_vs_trainer_job(parallel_kwargs, prompts, params_kwargs):
 
     cfg, ctx, gpt, replay, engine = _setup(parallel_kwargs)
     params = SamplingParams(**params_kwargs)
+    logit_shapes = []  # every forward's logits (the last stage's): one position per row
+    forward = engine._forward
+
+    def spy(*args):
+        out = forward(*args)
+        if out is not None:
+            logit_shapes.append(tuple(out.shape))
+        return out
+    engine._forward = spy
     samples = engine.generate(prompts, 4, params)
     worst_logp, routes_equal, shapes = 0.0, True, []
     temperature = params.temperature or 1.0
@@ -74,7 +83,7 @@ def engine_vs_trainer_job(parallel_kwargs, prompts, params_kwargs):
         routes_equal &= same
         shapes.append(tuple(s.routes_TLK.shape))
     return dict(worst_logp=worst_logp, routes_equal=routes_equal, shapes=shapes,
-                decode_rows=engine.decode_rows,
+                decode_rows=engine.decode_rows, logit_shapes=logit_shapes,
                 lengths=[len(s.response_ids) for s in samples],
                 reasons=[s.finish_reason for s in samples],
                 all_logp_nonpositive=all(bool((s.logprobs_R <= 0).all()) for s in samples))

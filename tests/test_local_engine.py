@@ -52,6 +52,9 @@ def test_engine_logprobs_and_routes_equal_the_trainers(runs, case):
         assert r["worst_logp"] <= 1e-5
         assert r["routes_equal"]
         assert r["all_logp_nonpositive"]
+        # No full-vocabulary logits for prompt positions: the prefill gives the last one only.
+        shapes = r["logit_shapes"]
+        assert all(s[1] == 1 for s in shapes) and (not shapes or shapes[0][0] == 4 * len(PROMPTS))
         rows = r["decode_rows"]  # rows fed per decoding forward: the batch only shrinks
         assert rows == sorted(rows, reverse=True) and rows[0] <= 4 * len(PROMPTS)
         if not stops:

@@ -155,13 +155,19 @@ def test_consecutive_nan_updates_stop_the_run(tmp_path):
     assert [r["train/skipped_updates"] for r in rows if "train/skipped_updates" in r] == [0.0]
 
 
-def test_checkpoint_loads_into_another_layout(tmp_path):
+@pytest.fixture(scope="module")
+def ep2_run(tmp_path_factory):
+    """A 3-step EP=2 run (2 ranks), whose step-2 checkpoint the layout tests resume from."""
+    root = tmp_path_factory.mktemp("ep2")
+    cfg = merge(SHORT, {"seed": 9, "trainer": {"steps": 3}})
+    out = run_ranks(train_job, 2, merge(cfg, {"parallel": {"ep": 2}, "run_dir": str(root)}))[0]
+    return cfg, root / "checkpoints" / "step_000002", out
+
+
+def test_checkpoint_loads_into_another_layout(ep2_run, tmp_path):
     """Saved on EP=2 (2 ranks), resumed on PP=2 x EP=2 (4 ranks): the next step matches the EP=2
     run's (weights, Adam moments, schedule and data position all carried over)."""
-    cfg = merge(SHORT, {"seed": 9, "trainer": {"steps": 3}})
-    two = run_ranks(train_job, 2, merge(cfg, {"parallel": {"ep": 2},
-                                              "run_dir": str(tmp_path / "ep2")}))[0]
-    src = tmp_path / "ep2" / "checkpoints" / "step_000002"
+    cfg, src, two = ep2_run
     tp = run_ranks(train_job, 4, merge(cfg, {
         "parallel": {"pp": 2, "ep": 2}, "trainer": {"resume": str(src)},
         "run_dir": str(tmp_path / "pp2ep2")}))[0]
@@ -175,13 +181,11 @@ def test_checkpoint_loads_into_another_layout(tmp_path):
         assert json.load(f)["layout"]["pp"] == 2
 
 
-def test_checkpoint_loads_into_one_rank(tmp_path, capfd):
+def test_checkpoint_loads_into_one_rank(ep2_run, tmp_path, capfd):
     """EP=2 -> 1 rank splits the optimizer differently (no separate expert group): the weights,
     schedule and data position load, the moments restart with a warning, training continues."""
-    cfg = merge(SHORT, {"seed": 9, "trainer": {"steps": 3}})
-    run_ranks(train_job, 2, merge(cfg, {"parallel": {"ep": 2}, "trainer": {"steps": 2},
-                                        "run_dir": str(tmp_path / "ep2")}))
-    src = tmp_path / "ep2" / "checkpoints" / "step_000002"
+    cfg, src, _ = ep2_run
+    capfd.readouterr()
     one = run_ranks(train_job, 1, merge(cfg, {"trainer": {"resume": str(src)},
                                               "run_dir": str(tmp_path / "one")}))[0]
     assert "its moments restart" in capfd.readouterr().err

@@ -2,8 +2,10 @@
 
 Prompts are left-padded to a common length; a key mask hides the padding in the prefill and in
 every decoding step (RoPE is relative, so the shift of padded rows does not change attention).
-Each step feeds one token per row and reads only the last position's logits. Routed experts are
-recorded with megatron's RouterReplay (RECORD) in every forward, when a ``RoutingReplay`` is given.
+Each step feeds one token per row and reads only the last position's logits (the prefill too:
+the static inference context materialises the last position's logits only). Rows that have finished
+leave the decoding batch (the KV cache keeps the rows still decoding). Routed experts are recorded
+with megatron's RouterReplay (RECORD) in every forward, when a ``RoutingReplay`` is given.
 
 Legend: ``B`` rows (prompts x samples), ``P`` padded prompt length, ``S`` P + max new tokens,
 ``V`` vocab, ``K`` top-k, ``L`` MoE layers.

@@ -1,0 +1,188 @@
+"""The RL step's parts changed after profiling, each timed against the code it replaced.
+
+Each row runs the replaced implementation (written out here as it was) and ours on the same inputs,
+checks that they agree, and prints the median times and their ratio:
+
+- packed attention: one SDPA call per packed sequence vs ``layers.packed_causal_attention``
+  (length buckets), forward + backward;
+- Adam: torch's AdamW as Megatron builds it without Apex / TE (per-parameter loop on CPU) vs the
+  fused kernel (``optim.prefer_fused_adam``);
+- non-finite check: ``isfinite(t).all()`` per gradient buffer vs one sum per buffer
+  (``faults.all_finite``);
+- sampling noise: a torch.Generator per row and step vs the counter-based hash
+  (``local_engine.row_noise``);
+- expert weights in generation: stacking every layer's expert weights in each forward vs once per
+  generation (``grouped_experts.cached_expert_weights``), over the forwards of one rollout;
+- entropy: log-probs and entropy forward + backward with the entropy in the loss vs kept as a
+  metric only (``entropy_coef`` 0: no entropy gradient).
+
+    python benchmarks/step_parts.py [--threads 2] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def packed_attention(torch, F, repeats):
+    from megatron_gspo.layers import packed_causal_attention
+
+    g = torch.Generator().manual_seed(0)
+    # 128 sequences of a reverse-task batch: prompt + response, 12 to 31 tokens
+    lengths = torch.randint(12, 32, (128,), generator=g).tolist()
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    t = bounds[-1]
+    q0, k0, v0 = (torch.randn(t, n, 32, generator=g) for n in (4, 2, 2))
+
+    def per_sequence(q, k, v):
+        return torch.cat([F.scaled_dot_product_attention(
+            *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True,
+            enable_gqa=True).transpose(0, 1) for a, b in zip(bounds[:-1], bounds[1:])])
+
+    def run(fn):
+        def go():
+            q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+            fn(q, k, v).square().sum().backward()
+            return q.grad
+        return go
+
+    before, after = run(per_sequence), run(lambda q, k, v: packed_causal_attention(q, k, v, bounds))
+    assert torch.allclose(before(), after(), rtol=1e-4, atol=1e-5)
+    return ("packed attention, 128 sequences of 12-31 tokens, fwd+bwd",
+            timed(before, repeats), timed(after, repeats))
+
+
+def adam(torch, repeats, numel, tensors):
+    def make(**kw):
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(numel // tensors, generator=g))
+              for _ in range(tensors)]
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0, **kw)
+        return ps, opt
+
+    ps_a, opt_a = make()
+    ps_b, opt_b = make()
+    for group in opt_b.param_groups:  # what optim.prefer_fused_adam does
+        group["foreach"], group["fused"] = False, True
+    opt_a.step()
+    opt_b.step()
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(ps_a, ps_b))
+    return (f"Adam step, {numel / 1e6:.0f}M parameters in {tensors} tensors",
+            timed(opt_a.step, repeats), timed(opt_b.step, repeats))
+
+
+def nonfinite(torch, repeats):
+    buffers = [torch.randn(15_000_000), torch.randn(4_000_000)]
+
+    def before():
+        return all(bool(torch.isfinite(t).all()) for t in buffers)
+
+    def after():
+        return bool(torch.isfinite(torch.stack([t.sum() for t in buffers])).all())
+
+    assert before() and after()
+    return "non-finite check, 19M gradients in 2 buffers", timed(before, repeats), timed(after,
+                                                                                        repeats)
+
+
+def noise(torch, repeats, vocab):
+    from megatron_gspo.rollout.local_engine import row_noise
+
+    seeds = list(range(1000, 1128))
+
+    def before():  # the replaced per-row generator loop
+        out = torch.empty(len(seeds), vocab)
+        for r, seed in enumerate(seeds):
+            gen = torch.Generator().manual_seed((seed * 1_000_003 + 5) % (2**63 - 1))
+            out[r] = torch.rand(vocab, generator=gen)
+        return -torch.log(-torch.log(out.clamp(1e-20, 1.0 - 1e-7)))
+
+    seeds_t = torch.tensor(seeds)
+    return (f"sampling noise, 128 rows x {vocab} ids, one decoding step", timed(before, repeats),
+            timed(lambda: row_noise(seeds_t, 5, vocab), repeats))
+
+
+def expert_stack(torch, repeats):
+    # compute shape: 6 layers of 16 experts, fc1 [512, 256], fc2 [256, 256]; 25 forwards
+    layers = [([torch.randn(512, 256) for _ in range(16)], [torch.randn(256, 256)
+                                                           for _ in range(16)])
+              for _ in range(6)]
+
+    def before():
+        for _ in range(25):
+            for fc1, fc2 in layers:
+                torch.stack(fc1), torch.stack(fc2)
+
+    def after():
+        cache = [(torch.stack(fc1), torch.stack(fc2)) for fc1, fc2 in layers]
+        for _ in range(25):
+            for w in cache:
+                w[0], w[1]
+
+    return ("expert weight stacks of a 24-token rollout (compute shape)", timed(before, repeats),
+            timed(after, repeats))
+
+
+def entropy(torch, repeats, vocab):
+    from megatron_gspo.logprobs import token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits0 = torch.randn(1, 1024, vocab, generator=g)
+    targets = torch.randint(0, vocab, (1, 1024), generator=g)
+
+    def run(detach):
+        def go():
+            logits = logits0.clone().requires_grad_()
+            logp, ent = token_logprobs(logits, targets, group=None, with_entropy=True)
+            if detach:
+                ent = ent.detach()
+            (logp.sum() - 0.0 * ent.sum()).backward()
+            return logits.grad
+        return go
+
+    assert torch.allclose(run(False)(), run(True)())
+    return (f"log-probs + entropy fwd+bwd, 1024 tokens x {vocab} vocab, entropy_coef 0",
+            timed(run(False), repeats), timed(run(True), repeats))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(args.threads)
+    rows = [packed_attention(torch, F, args.repeats),
+            adam(torch, args.repeats, 1_000_000, 95), adam(torch, args.repeats, 19_000_000, 238),
+            nonfinite(torch, args.repeats), noise(torch, args.repeats, 128),
+            noise(torch, args.repeats, 32768), expert_stack(torch, args.repeats),
+            entropy(torch, args.repeats, 32768)]
+    print(f"{args.threads} threads, median of {args.repeats} (ms); before = the replaced code")
+    print(f"{'part':72s} {'before':>9s} {'after':>9s} {'speed-up':>9s}")
+    for name, before, after in rows:
+        print(f"{name:72s} {1e3 * before:9.1f} {1e3 * after:9.1f} {before / after:8.1f}x")
+
+
+if __name__ == "__main__":
+    main()

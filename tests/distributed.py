@@ -37,13 +37,26 @@ def _context():
     return ctx
 
 
-def _entry(rank, world_size, port, fn, args, results, parent):
-    # What a spawned rank would inherit from the parent now (the fork server holds its own).
-    environ, cwd, path = parent
+def _inherit(parent) -> None:
+    """What a spawned rank would inherit from the parent now (the fork server holds its own):
+    environment, working directory, import path, and stdout / stderr (wherever the parent's point
+    now, e.g. pytest's capture files; opened for appending)."""
+    pid, environ, cwd, path = parent
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
     sys.path[:] = path
+    for fd in (1, 2):
+        try:
+            target = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:  # not reopenable (a socket): keep the server's
+            continue
+        os.dup2(target, fd)
+        os.close(target)
+
+
+def _entry(rank, world_size, port, fn, args, results, parent):
+    _inherit(parent)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
@@ -71,7 +84,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0) -> list:
     ctx = _context()
     results = ctx.Queue()
     port = _free_port()
-    parent = (dict(os.environ), os.getcwd(), list(sys.path))
+    parent = (os.getpid(), dict(os.environ), os.getcwd(), list(sys.path))
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, parent),
                          daemon=False)
              for r in range(world_size)]

@@ -9,8 +9,9 @@ checks that they agree, and prints the median times and their ratio:
   fused kernel (``optim.prefer_fused_adam``);
 - non-finite check: ``isfinite(t).all()`` per gradient buffer vs one sum per buffer
   (``faults.all_finite``);
-- sampling noise: a torch.Generator per row and step vs the counter-based hash
-  (``local_engine.row_noise``);
+- seeded sampling: Gumbel-max on noise from a torch.Generator per row and step vs one
+  counter-based uniform number per row and the inverse of its cumulative distribution
+  (``local_engine.row_uniform``, ``sample_next``);
 - expert weights in generation: stacking every layer's expert weights in each forward vs once per
   generation (``grouped_experts.cached_expert_weights``), over the forwards of one rollout;
 - entropy: log-probs and entropy forward + backward with the entropy in the loss vs kept as a
@@ -104,21 +105,26 @@ def nonfinite(torch, repeats):
                                                                                         repeats)
 
 
-def noise(torch, repeats, vocab):
-    from megatron_gspo.rollout.local_engine import row_noise
+def seeded_sampling(torch, repeats, vocab):
+    from megatron_gspo.rollout.local_engine import row_uniform, sample_next
+    from megatron_gspo.rollout.types import SamplingParams
 
     seeds = list(range(1000, 1128))
+    logits = torch.randn(len(seeds), vocab, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1.0)
 
-    def before():  # the replaced per-row generator loop
+    def before():  # the replaced sampler: Gumbel-max on noise from a generator per row
         out = torch.empty(len(seeds), vocab)
         for r, seed in enumerate(seeds):
             gen = torch.Generator().manual_seed((seed * 1_000_003 + 5) % (2**63 - 1))
             out[r] = torch.rand(vocab, generator=gen)
-        return -torch.log(-torch.log(out.clamp(1e-20, 1.0 - 1e-7)))
+        noise = -torch.log(-torch.log(out.clamp(1e-20, 1.0 - 1e-7)))
+        return (torch.log_softmax(logits, -1) + noise).argmax(-1)
 
     seeds_t = torch.tensor(seeds)
-    return (f"sampling noise, 128 rows x {vocab} ids, one decoding step", timed(before, repeats),
-            timed(lambda: row_noise(seeds_t, 5, vocab), repeats))
+    return (f"seeded sampling, 128 rows x {vocab} ids, one decoding step", timed(before, repeats),
+            timed(lambda: sample_next(logits, params, uniform_B=row_uniform(seeds_t, 5)),
+                  repeats))
 
 
 def expert_stack(torch, repeats):
@@ -175,8 +181,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = [packed_attention(torch, F, args.repeats),
             adam(torch, args.repeats, 1_000_000, 95), adam(torch, args.repeats, 19_000_000, 238),
-            nonfinite(torch, args.repeats), noise(torch, args.repeats, 128),
-            noise(torch, args.repeats, 32768), expert_stack(torch, args.repeats),
+            nonfinite(torch, args.repeats), seeded_sampling(torch, args.repeats, 128),
+            seeded_sampling(torch, args.repeats, 151936), expert_stack(torch, args.repeats),
             entropy(torch, args.repeats, 32768)]
     print(f"{args.threads} threads, median of {args.repeats} (ms); before = the replaced code")
     print(f"{'part':72s} {'before':>9s} {'after':>9s} {'speed-up':>9s}")

@@ -115,29 +115,32 @@ def test_logprobs_under_top_k_top_p_are_of_the_untruncated_distribution():
             assert float(truncated) > float(logp[row])
 
 
-def test_row_noise_is_gumbel_keyed_by_seed_step_and_id():
-    """The counter-based noise: standard Gumbel moments, a pure function of (seed, step, id)
-    whatever the batch, different for another seed or step, and Gumbel-max sampling reproduces
-    the softmax probabilities."""
+def test_seeded_sampling_is_keyed_by_seed_and_step_and_follows_the_distribution():
+    """One uniform number per row and step (a counter-based hash): uniform moments, a pure
+    function of (seed, step) whatever the batch, another for another seed or step; inverting
+    the cumulative distribution at it samples softmax(logits / T), and top-k / top-p keep only
+    their tokens."""
     import math
 
     import torch
 
-    from megatron_gspo.rollout.local_engine import row_noise
+    from megatron_gspo.rollout.local_engine import row_uniform, sample_next
+    from megatron_gspo.rollout.types import SamplingParams
 
-    seeds = torch.tensor([0, 1, 2**40 + 7, -5, 123456789])
-    noise = row_noise(seeds, 3, 50000)
-    assert noise.shape == (5, 50000) and torch.isfinite(noise).all()
-    flat = noise.double().flatten()
-    assert abs(float(flat.mean()) - 0.5772) < 0.01  # Euler-Mascheroni
-    assert abs(float(flat.std()) - math.pi / math.sqrt(6)) < 0.01
-    assert torch.equal(row_noise(seeds[2:4], 3, 50000), noise[2:4])  # batch-independent
-    assert not torch.equal(row_noise(seeds, 4, 50000), noise)
-    assert len({tuple(row[:8].tolist()) for row in noise}) == 5  # every seed its own noise
-    logits = torch.tensor([1.0, 0.0, -1.0, 2.0])
-    draws = 20000
-    picks = torch.stack([(logits + row_noise(torch.arange(draws), step, 4)).argmax(-1)
-                         for step in range(2)]).flatten()
-    freq = torch.bincount(picks, minlength=4).double() / (2 * draws)
-    probs = torch.softmax(logits.double(), 0)
-    assert float((freq - probs).abs().max()) < 0.01
+    seeds = torch.arange(200_000) * 7_919 + 2**40
+    u = row_uniform(seeds, 3)
+    assert u.dtype == torch.float64 and bool(((u > 0) & (u < 1)).all())
+    assert abs(float(u.mean()) - 0.5) < 0.003 and abs(float(u.std()) - math.sqrt(1 / 12)) < 0.003
+    assert torch.equal(row_uniform(seeds[5:9], 3), u[5:9])  # batch-independent
+    assert float((row_uniform(seeds, 4) - u).abs().mean()) > 0.3  # another step: other numbers
+    assert len(set(u.tolist())) == len(u)
+
+    logits = torch.tensor([1.0, 0.0, -1.0, 2.0, -30.0]).expand(len(seeds), 5)
+    token, logp = sample_next(logits, SamplingParams(temperature=0.8), uniform_B=u)
+    freq = torch.bincount(token, minlength=5).double() / len(seeds)
+    probs = torch.softmax(logits[0].double() / 0.8, 0)
+    assert float((freq - probs).abs().max()) < 0.004
+    assert torch.allclose(logp, torch.log(probs.float())[token])
+    params = SamplingParams(temperature=1.0, top_k=3, top_p=0.8)  # top-3 {3, 0, 1}, then 80%
+    token, _ = sample_next(logits, params, uniform_B=u)
+    assert set(token.tolist()) == {3, 0}

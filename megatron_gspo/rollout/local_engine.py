@@ -46,24 +46,25 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def row_noise(row_seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
-    """[B, V] Gumbel noise, a pure function of each row's seed, the decoding step and the vocab id
-    (a counter-based hash, computed for the whole batch at once on the seeds' device): a row
-    samples the same tokens whichever rank, batch or position in the batch generates it."""
+def row_uniform(row_seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """[B] uniform numbers in (0, 1) with 53 random bits (float64), a pure function of each row's
+    seed and the decoding step (a counter-based hash, for the whole batch at once on the seeds'
+    device): a row samples the same tokens whichever rank, batch or position in the batch
+    generates it."""
     seeds = row_seeds.to(torch.int64)
     key = _mix32((seeds & _MASK32) ^ _mix32(((seeds >> 32) & _MASK32) ^ 0x9E3779B9))
     key = _mix32(key ^ _mix32(torch.full_like(key, (step * 0x632BE5AB + 1) & _MASK32)))
-    ids = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
-    bits = _mix32(_mix32(key[:, None] ^ _mul32(ids, 0x9E3779B9)[None, :]) ^ key[:, None])
-    uniform = ((bits >> 8).float() + 0.5) * (1.0 / 2 ** 24)  # 24 bits: exact in fp32, in (0, 1)
-    return -torch.log(-torch.log(uniform))
+    high = _mix32(key ^ 0x85EBCA6B) >> 5  # 27 bits
+    low = _mix32(key ^ 0xC2B2AE35) >> 6  # 26 bits
+    return ((high * 2 ** 26 + low).double() + 0.5) * (1.0 / 2 ** 53)
 
 
-def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator=None, noise_BV=None):
+def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator=None, uniform_B=None):
     """(token [B], log-prob [B]) from last-position logits: greedy at temperature 0, else sampled
-    from softmax(logits / T) restricted to top-k / top-p (with ``noise_BV``, by Gumbel-max on the
-    given noise). The log-prob is of the untruncated tempered distribution (T = 1 when greedy),
-    which is what the trainer recomputes."""
+    from softmax(logits / T) restricted to top-k / top-p (with ``uniform_B``, by inverting each
+    row's cumulative distribution, in float64, at its given uniform number: one random number per
+    row, not per vocabulary entry). The log-prob is of the untruncated tempered distribution
+    (T = 1 when greedy), which is what the trainer recomputes."""
     logits = logits_BV.float()
     if params.temperature == 0:
         token = logits.argmax(-1)
@@ -81,8 +82,12 @@ def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator=None,
         drop = cum - sorted_lq.exp() > params.top_p  # keep the smallest prefix reaching top_p
         sorted_lq[drop] = -float("inf")
         filtered = torch.full_like(filtered, -float("inf")).scatter(-1, order, sorted_lq)
-    if noise_BV is not None:
-        token = (filtered + noise_BV.to(filtered.device)).argmax(-1)
+    if uniform_B is not None:
+        cdf = torch.softmax(filtered.double(), -1).cumsum(-1)
+        # The first entry whose cumulative probability reaches u (scaled to the row's total, which
+        # rounding keeps a hair from 1): never an entry of probability 0.
+        point = uniform_B.to(cdf.device)[:, None] * cdf[:, -1:]
+        token = torch.searchsorted(cdf, point)[:, 0].clamp_(max=cdf.shape[-1] - 1)
     else:
         token = torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator)[:, 0]
     return token, logq.gather(-1, token[:, None])[:, 0]
@@ -140,7 +145,7 @@ class LocalEngine:
                  params: SamplingParams, *, first_row: int = 0,
                  row_seeds: Optional[Sequence[int]] = None) -> list[Sample]:
         """``samples_per_prompt`` responses per prompt. With ``params.seed``, response r of the
-        request (counting from ``first_row``) samples from noise keyed by
+        request (counting from ``first_row``) samples with a uniform number keyed by
         (``row_seed(seed, first_row + r)``, position): the same tokens whichever data-parallel
         rank or batch generates it. ``row_seeds`` gives each row's seed explicitly instead.
 
@@ -251,10 +256,10 @@ class LocalEngine:
     def _sample(self, logits, params, seeds_B, batch, step):
         """The batch's next tokens and their log-probs (host tensors), sampled on the last stage."""
         if logits is not None:
-            noise = None
+            uniform = None
             if seeds_B is not None:
-                noise = row_noise(seeds_B[batch.to(seeds_B.device)], step, logits.shape[-1])
-            token, logp = sample_next(logits[:, -1], params, noise_BV=noise)
+                uniform = row_uniform(seeds_B[batch.to(seeds_B.device)], step)
+            token, logp = sample_next(logits[:, -1], params, uniform_B=uniform)
         else:
             token = torch.zeros(len(batch), dtype=torch.long, device=self.ctx.device)
             logp = torch.zeros(len(batch), device=self.ctx.device)

@@ -36,7 +36,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from rl_step_vs_trl import SHAPE_FIELDS, SHAPES, VOCAB, active_params  # noqa: E402
+from rl_step_vs_trl import SHAPE_FIELDS, SHAPES, VOCAB, active_params, model_fields  # noqa: E402
 
 KINDS = ("attention", "router", "dispatch", "experts", "embedding", "output layer", "layer rest",
          "loss", "optimizer", "grad sync", "other ops")
@@ -45,10 +45,7 @@ PHASES = ("rollout", "reward", "old_logprobs", "update", "weight_sync")
 
 def job_dict(args, run_dir: str) -> dict:
     return {
-        "model": {"vocab_size": VOCAB, "hidden_size": args.hidden, "num_layers": args.layers,
-                  "num_attention_heads": args.heads, "num_query_groups": args.kv_groups,
-                  "head_dim": args.head_dim, "num_experts": args.experts, "top_k": args.top_k,
-                  "moe_ffn_hidden_size": args.expert_width, "ffn_hidden_size": 2 * args.hidden},
+        "model": {"vocab_size": VOCAB, **model_fields(args)},
         "rollout": {"prompts_per_step": args.prompts, "group_size": args.group_size,
                     "max_new_tokens": args.max_new_tokens},
         "algo": {"minibatches": args.minibatches},
@@ -140,12 +137,10 @@ def attribute(events) -> tuple[dict, dict, dict]:
     def is_range(e):
         return e.name.startswith(("module:", "phase:"))
 
-    nearest = nearest_range
-
     seq_kind = {}
     for e in events:
         if e.sequence_nr >= 0 and not e.name.startswith("autograd::engine"):
-            seq_kind.setdefault(e.sequence_nr, nearest(e, "module:") or "other ops")
+            seq_kind.setdefault(e.sequence_nr, nearest_range(e, "module:") or "other ops")
     ops = collections.defaultdict(lambda: collections.defaultdict(float))
     phase_wall, phase_ops = collections.defaultdict(float), collections.defaultdict(float)
     for e in events:
@@ -154,13 +149,13 @@ def attribute(events) -> tuple[dict, dict, dict]:
             continue
         if is_range(e) or (e.cpu_parent is not None and not is_range(e.cpu_parent)):
             continue  # only outermost operators (directly under a range, or under none)
-        phase = nearest(e, "phase:") or "outside phases"
+        phase = nearest_range(e, "phase:") or "outside phases"
         if e.name.startswith("autograd::engine::evaluate_function"):
             kind = seq_kind.get(e.sequence_nr, "other ops")
             if "AccumulateGrad" in e.name:
                 kind = "grad sync"
         else:
-            kind = nearest(e, "module:") or "other ops"
+            kind = nearest_range(e, "module:") or "other ops"
         ops[kind][phase] += e.cpu_time_total / 1e6
         phase_ops[phase] += e.cpu_time_total / 1e6
     return ops, phase_wall, phase_ops

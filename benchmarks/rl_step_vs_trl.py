@@ -107,12 +107,16 @@ def matmul_gflops(threads: int, n: int = 1024, repeats: int = 9) -> float:
     return 2 * n ** 3 / statistics.median(times) / 1e9
 
 
+def model_fields(args) -> dict:
+    """Our model config's fields for the shape (the dense FFN width is unused: every layer MoE)."""
+    return {"hidden_size": args.hidden, "num_layers": args.layers,
+            "num_attention_heads": args.heads, "num_query_groups": args.kv_groups,
+            "head_dim": args.head_dim, "num_experts": args.experts, "top_k": args.top_k,
+            "moe_ffn_hidden_size": args.expert_width, "ffn_hidden_size": 2 * args.hidden}
+
+
 def model_overrides(args) -> list:
-    return [f"model.hidden_size={args.hidden}", f"model.num_layers={args.layers}",
-            f"model.num_attention_heads={args.heads}", f"model.num_query_groups={args.kv_groups}",
-            f"model.head_dim={args.head_dim}", f"model.num_experts={args.experts}",
-            f"model.top_k={args.top_k}", f"model.moe_ffn_hidden_size={args.expert_width}",
-            f"model.ffn_hidden_size={2 * args.hidden}"]
+    return [f"model.{key}={value}" for key, value in model_fields(args).items()]
 
 
 def run_ours(args) -> dict:

@@ -43,7 +43,7 @@ def timed(fn, repeats: int) -> float:
 
 
 def packed_attention(torch, F, repeats):
-    from megatron_gspo.layers import packed_causal_attention
+    from megatron_gspo.layers import bucket_plan, packed_causal_attention
 
     g = torch.Generator().manual_seed(0)
     # 128 sequences of a reverse-task batch: prompt + response, 12 to 31 tokens
@@ -64,7 +64,8 @@ def packed_attention(torch, F, repeats):
             return q.grad
         return go
 
-    before, after = run(per_sequence), run(lambda q, k, v: packed_causal_attention(q, k, v, bounds))
+    before, after = run(per_sequence), run(lambda q, k, v: packed_causal_attention(
+        q, k, v, bucket_plan(bounds, "cpu")))
     assert torch.allclose(before(), after(), rtol=1e-4, atol=1e-5)
     return ("packed attention, 128 sequences of 12-31 tokens, fwd+bwd",
             timed(before, repeats), timed(after, repeats))

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo import comm
-from megatron_gspo.optim import prefer_fused_adam, torch_optimizers
+from megatron_gspo.optim import prefer_fused_adam, sub_optimizers, torch_optimizers
 from megatron_gspo.parallel import ParallelContext
 
 LATEST = "latest"
@@ -50,14 +50,10 @@ def _warn(text: str) -> None:
     print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
-def _sub_optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
 def optimizer_has_state(optimizer, device: torch.device) -> bool:
     """Whether any sub-optimizer has taken a step (has moments to save); the same on every rank
     (a collective over the world, on ``device``)."""
-    local = any(len(getattr(o, "optimizer", o).state) for o in _sub_optimizers(optimizer))
+    local = any(len(getattr(o, "optimizer", o).state) for o in sub_optimizers(optimizer))
     return comm.any_rank(local, device=device)
 
 
@@ -65,7 +61,7 @@ def optimizer_signature(optimizer) -> list:
     """How the optimizer is split into sub-optimizers (dense / expert groups): checkpoints of
     optimizers with the same signature load into each other across layouts."""
     return [sorted({bool(g.get("is_expert_parallel", False)) for g in o.param_groups})
-            for o in _sub_optimizers(optimizer)]
+            for o in sub_optimizers(optimizer)]
 
 
 def _sharding_metadata(ctx: ParallelContext) -> dict:
@@ -82,7 +78,7 @@ def _prepare_optimizer(optimizer, ctx: ParallelContext, loading: bool) -> None:
     allocated first, which megatron does with a zero-gradient step. That step sets every Adam
     ``step`` to 1: only do it (``loading``) when the checkpoint's moments and steps will overwrite
     it, else a fresh optimizer would start one step ahead (smaller bias-corrected first update)."""
-    for opt in _sub_optimizers(optimizer):
+    for opt in sub_optimizers(optimizer):
         if not hasattr(opt, "data_parallel_group"):
             continue  # not a distributed optimizer
         if ctx.device.type == "cpu" and getattr(opt, "data_parallel_group_gloo", None) is None:
@@ -321,7 +317,7 @@ def _unshare_adam_steps(optimizer) -> None:
 
 def _reload_main_params(optimizer) -> None:
     """Copy the model weights into the optimizer's fp32 main parameters (after a weights-only load)."""
-    for opt in _sub_optimizers(optimizer):
+    for opt in sub_optimizers(optimizer):
         reload = getattr(opt, "reload_model_params", None)
         if reload is not None:
             reload()

@@ -78,7 +78,7 @@ class MicroBatch:
         that no layer reads them back from the device."""
         if self.cu_seqlens is None:
             return None
-        bounds = tuple(int(x) for x in self.cu_seqlens.tolist())
+        bounds = tuple(self.cu_seqlens.tolist())
         longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
         cu = self.cu_seqlens.to(device=device, dtype=torch.int32)
         return PackedRows(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,

@@ -64,7 +64,6 @@ def bucket_plan(bounds, device) -> list:
     """For each length bucket of a packed row (``bounds``: cumulative sequence lengths as Python
     ints): ``index`` [b, M] of each sequence's positions in the row, right-padded with its first
     position, and ``real`` [b, M], False on the padding."""
-    bounds = [int(x) for x in bounds]
     starts, lengths = bounds[:-1], [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     plan = []
     for bucket in length_buckets(lengths):
@@ -77,10 +76,21 @@ def bucket_plan(bounds, device) -> list:
     return plan
 
 
-def packed_causal_attention(q_TND, k_TGD, v_TGD, bounds, *, scale=None, dropout_p=0.0,
-                            plan=None):
-    """[T, N, D] causal attention within each sequence of a packed row (``bounds``: the
-    cumulative sequence lengths, as Python ints; ``plan``: their ``bucket_plan``, if made).
+def _plan_of(packed_seq_params, device) -> list:
+    """The bucket plan of a packed row. Our ``forward.PackedRows`` carry the bounds on the host
+    and a cache the layers of one forward share: made once per micro-batch, without reading the
+    device; other packed parameters: from ``cu_seqlens``."""
+    cache = getattr(packed_seq_params, "cache", None)
+    if cache is None:
+        return bucket_plan(packed_seq_params.cu_seqlens_q.tolist(), device)
+    if "bucket_plan" not in cache:
+        cache["bucket_plan"] = bucket_plan(packed_seq_params.bounds, device)
+    return cache["bucket_plan"]
+
+
+def packed_causal_attention(q_TND, k_TGD, v_TGD, plan, *, scale=None, dropout_p=0.0):
+    """[T, N, D] causal attention within each sequence of a packed row (``plan``: the row's
+    ``bucket_plan``).
 
     Sequences of similar length go through ``scaled_dot_product_attention`` together, right-
     padded to the bucket's longest: under the causal rule a real query never sees a key after
@@ -88,8 +98,6 @@ def packed_causal_attention(q_TND, k_TGD, v_TGD, bounds, *, scale=None, dropout_
     work is about that of the sequences' own lengths (sum of L^2), not the packed row's (T^2)
     that a block-diagonal mask over the whole row would cost, in a few calls instead of one per
     sequence."""
-    if plan is None:
-        plan = bucket_plan(bounds, q_TND.device)
     out = torch.empty_like(q_TND)
     n, g = q_TND.shape[1], k_TGD.shape[1]
     for index, real in plan:
@@ -170,19 +178,9 @@ class SDPAttention(DotProductAttention):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         dropout = self.attention_dropout.p if self.training else 0.0
         if thd and not self.context_parallel:
-            # Our packed rows carry their bounds and a cache shared by the layers of a forward:
-            # the bucket plan is made once per micro-batch, without reading the device.
-            bounds = getattr(packed_seq_params, "bounds", None) or \
-                packed_seq_params.cu_seqlens_q.tolist()
-            cache = getattr(packed_seq_params, "cache", None)
-            plan = None
-            if cache is not None:
-                if "bucket_plan" not in cache:
-                    cache["bucket_plan"] = bucket_plan(bounds, query.device)
-                plan = cache["bucket_plan"]
-            out_TND = packed_causal_attention(query[:, 0], key[:, 0], value[:, 0], bounds,
-                                              scale=self.softmax_scale, dropout_p=dropout,
-                                              plan=plan)
+            out_TND = packed_causal_attention(query[:, 0], key[:, 0], value[:, 0],
+                                              _plan_of(packed_seq_params, query.device),
+                                              scale=self.softmax_scale, dropout_p=dropout)
             return out_TND.reshape(sq, n * d)
         if self.context_parallel:
             pass  # the mask in global positions, from _gather_keys

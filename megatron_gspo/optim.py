@@ -60,10 +60,15 @@ def build_optimizer(ddp, ctx: ParallelContext, cfg: OptimConfig):
     return optimizer
 
 
+def sub_optimizers(optimizer) -> list:
+    """A Megatron optimizer's sub-optimizers (dense / expert groups), or itself."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def torch_optimizers(optimizer) -> list:
-    """The torch optimizers inside a Megatron optimizer (one per dense / expert sub-optimizer)."""
-    subs = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [o.optimizer for o in subs if getattr(o, "optimizer", None) is not None]
+    """The torch optimizers inside a Megatron optimizer (one per sub-optimizer)."""
+    return [o.optimizer for o in sub_optimizers(optimizer)
+            if getattr(o, "optimizer", None) is not None]
 
 
 def prefer_fused_adam(optimizer) -> None:

@@ -28,7 +28,7 @@ def test_packed_causal_attention_equals_each_sequence_alone_with_gradients():
     import torch
     import torch.nn.functional as F
 
-    from megatron_gspo.layers import packed_causal_attention
+    from megatron_gspo.layers import bucket_plan, packed_causal_attention
 
     g = torch.Generator().manual_seed(0)
     lengths = [9, 1, 4, 17, 8, 16, 3]
@@ -51,7 +51,8 @@ def test_packed_causal_attention_equals_each_sequence_alone_with_gradients():
                 enable_gqa=True).transpose(0, 1))
         return torch.cat(parts)
 
-    ours = grads(lambda q, k, v: packed_causal_attention(q, k, v, cu.tolist()))
+    ours = grads(lambda q, k, v: packed_causal_attention(q, k, v,
+                                                           bucket_plan(cu.tolist(), "cpu")))
     reference = grads(alone)
     for a, b in zip(ours, reference):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # fp32 rounding, not masking

@@ -16,6 +16,7 @@
 #                         training node) | separate (servers on their own nodes)
 #   --sglang-nodes K      nodes reserved for SGLang servers with --sglang separate
 #   --sglang-tp T         tensor parallel size of each server (default: GPUs per node)
+#   --sglang-ep E         expert parallel size of each server (default 1; divides T)
 #   --model-path PATH     HF checkpoint the SGLang servers start from
 #   --run-dir DIR         run directory, fixed across requeues so that the job resumes
 #                         (default runs/slurm/<timestamp>)
@@ -26,7 +27,7 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 NODES=1 GPUS=8 PARTITION="" ACCOUNT="" TIME="04:00:00" SIGNAL_S=300
-IMAGE="" MOUNTS="" SGLANG="none" SGLANG_NODES=0 SGLANG_TP="" MODEL_PATH="" RUN_DIR="" DRY_RUN=""
+IMAGE="" MOUNTS="" SGLANG="none" SGLANG_NODES=0 SGLANG_TP="" SGLANG_EP=1 MODEL_PATH="" RUN_DIR="" DRY_RUN=""
 SMOKE=""
 
 die() { echo "submit.sh: $*" >&2; exit 2; }
@@ -44,6 +45,7 @@ while [[ $# -gt 0 ]]; do
     --sglang) SGLANG="$2"; shift 2 ;;
     --sglang-nodes) SGLANG_NODES="$2"; shift 2 ;;
     --sglang-tp) SGLANG_TP="$2"; shift 2 ;;
+    --sglang-ep) SGLANG_EP="$2"; shift 2 ;;
     --model-path) MODEL_PATH="$2"; shift 2 ;;
     --run-dir) RUN_DIR="$2"; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
@@ -83,7 +85,8 @@ if [[ -n "$SMOKE" ]]; then  # the image's smoke test as a one-node, one-GPU job
 fi
 
 export MG_GPUS_PER_NODE="$GPUS" MG_TRAIN_NODES=$((NODES - SGLANG_NODES)) MG_SGLANG="$SGLANG"
-export MG_SGLANG_NODES="$SGLANG_NODES" MG_SGLANG_TP="${SGLANG_TP:-$GPUS}" MG_MODEL_PATH="$MODEL_PATH"
+export MG_SGLANG_NODES="$SGLANG_NODES" MG_SGLANG_TP="${SGLANG_TP:-$GPUS}" MG_SGLANG_EP="$SGLANG_EP"
+export MG_MODEL_PATH="$MODEL_PATH"
 export MG_CONTAINER_IMAGE="$IMAGE" MG_CONTAINER_MOUNTS="$MOUNTS" MG_RUN_DIR="$RUN_DIR"
 export MG_LOG_DIR="$LOG_DIR" MG_DRY_RUN="$DRY_RUN"
 

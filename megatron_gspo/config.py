@@ -276,6 +276,10 @@ class RolloutConfig:
     # Each server's GPUs (its tensor-parallel size): ranks it adds to the weight_sync=distributed
     # group, payloads of weight_sync=tensor.
     sglang_gpus_per_server: int = 8
+    sglang_ep_per_server: int = 1  # each server's --ep-size (its expert layout, for direct sync)
+    # weight_sync=tensor: direct (each server TP rank gets only its own shards, in SGLang's
+    # parameter layout: sglang_layout.py) | hf (every rank gets the full HF tensors).
+    tensor_sync_format: str = "direct"
     sglang_rows_per_request: int = 64  # rows of one batched /generate request
     sglang_max_in_flight: int = 32  # requests in flight at once (per replica leader)
     weight_sync_bucket_mb: float = 512.0  # weights go out in buckets of about this size
@@ -308,7 +312,8 @@ class RolloutConfig:
         if self.engine == "sglang" and not (self.sglang_urls or self.sglang_router_url):
             raise _err("rollout.sglang_urls", self.sglang_urls, "engine=sglang needs servers",
                        "list server URLs or set rollout.sglang_router_url")
-        for key in ("sglang_gpus_per_server", "sglang_rows_per_request", "sglang_max_in_flight"):
+        for key in ("sglang_gpus_per_server", "sglang_ep_per_server", "sglang_rows_per_request",
+                    "sglang_max_in_flight"):
             if getattr(self, key) < 1:
                 raise _err(f"rollout.{key}", getattr(self, key), "must be >= 1", "set a value >= 1")
         if not self.weight_sync_bucket_mb > 0:
@@ -326,6 +331,13 @@ class RolloutConfig:
         if self.weight_sync not in ("disk", "distributed", "tensor"):
             raise _err("rollout.weight_sync", self.weight_sync, "is unknown",
                        "use disk, distributed or tensor")
+        if self.tensor_sync_format not in ("direct", "hf"):
+            raise _err("rollout.tensor_sync_format", self.tensor_sync_format, "is unknown",
+                       "use direct or hf")
+        if self.sglang_gpus_per_server % self.sglang_ep_per_server:
+            raise _err("rollout.sglang_ep_per_server", self.sglang_ep_per_server,
+                       f"does not divide sglang_gpus_per_server={self.sglang_gpus_per_server}",
+                       "SGLang's --ep-size divides its --tp-size")
         return self
 
     @property
@@ -518,6 +530,17 @@ class JobConfig:
             raise _err("algo.old_logprobs", "engine", "r2 replays the routes of the trainer's "
                        "old-policy pass, which engine log-probs skip", "use algo.old_logprobs="
                        "recompute with r2")
+        r = self.rollout
+        if r.engine == "sglang" and r.weight_sync == "tensor" and r.tensor_sync_format == "direct":
+            from megatron_gspo.rollout.sglang_layout import ServerLayout
+
+            try:
+                ServerLayout(self.model, tp=r.sglang_gpus_per_server, ep=r.sglang_ep_per_server)
+            except ValueError as e:
+                raise _err("rollout.sglang_gpus_per_server", r.sglang_gpus_per_server,
+                           f"(ep {r.sglang_ep_per_server}) {e}",
+                           "match the servers' --tp-size / --ep-size, or use "
+                           "rollout.tensor_sync_format=hf") from None
         rows = self.rollout.prompts_per_step * self.rollout.group_size
         if rows % self.algo.minibatches:
             raise _err("algo.minibatches", self.algo.minibatches, f"does not divide the "

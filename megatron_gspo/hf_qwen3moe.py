@@ -411,10 +411,13 @@ class _Piece:
         return n * torch.empty(0, dtype=self.dtype).element_size()
 
 
-def _bucket_plan(gpt, m: ModelConfig, ctx: ParallelContext, bucket_bytes: int) -> list:
+def _bucket_plan(gpt, m: ModelConfig, ctx: ParallelContext, bucket_bytes: int,
+                 group_of: Optional[Callable[[str], str]] = None) -> list:
     """Every rank's pieces (metadata only, exchanged once per call), grouped into buckets of
     whole global tensors of at most ``bucket_bytes`` (a larger tensor is a bucket of its own),
-    in the same order on every rank."""
+    in the same order on every rank. ``group_of(HF name)``: tensors with the same key never go
+    to different buckets (a receiver that loads them as one tensor), a group larger than
+    ``bucket_bytes`` being a bucket of its own."""
     local = []
     for name, param in _local_params(gpt).items():
         gname = global_name(name, m, ctx)
@@ -427,14 +430,17 @@ def _bucket_plan(gpt, m: ModelConfig, ctx: ParallelContext, bucket_bytes: int) -
     by_name: dict[str, list] = {}
     for piece in (p for part in everyone for p in part):
         by_name.setdefault(piece.gname, []).append(piece)
-    buckets, current, size = [], [], 0
+    groups: dict[str, list] = {}
     for gname in sorted(by_name):
-        pieces = sorted(by_name[gname], key=lambda p: p.index)
-        nbytes = sum(p.nbytes for p in pieces)
+        key = gname if group_of is None else group_of(rule_for(gname, m).hf[0][0])
+        groups.setdefault(key, []).append(sorted(by_name[gname], key=lambda p: p.index))
+    buckets, current, size = [], [], 0
+    for key in sorted(groups):
+        nbytes = sum(p.nbytes for pieces in groups[key] for p in pieces)
         if current and size + nbytes > bucket_bytes:
             buckets.append(current)
             current, size = [], 0
-        current.append(pieces)
+        current.extend(groups[key])
         size += nbytes
     if current:
         buckets.append(current)
@@ -442,19 +448,21 @@ def _bucket_plan(gpt, m: ModelConfig, ctx: ParallelContext, bucket_bytes: int) -
 
 
 @torch.no_grad()
-def iter_hf_buckets(gpt, m: ModelConfig, ctx: ParallelContext, bucket_bytes: int, *, dst: int = 0):
+def iter_hf_buckets(gpt, m: ModelConfig, ctx: ParallelContext, bucket_bytes: int, *, dst: int = 0,
+                    group_of: Optional[Callable[[str], str]] = None):
     """Yield the whole model as HF-named tensors, one bucket of about ``bucket_bytes`` at a time,
     on rank ``dst`` (a list of (HF name, tensor) on the run's device); every rank iterates in
     lockstep and gets empty lists. Each bucket's shards (tensor-parallel slices, other pipeline
     stages' layers, other expert-parallel ranks' experts) come to ``dst`` in one batch of
     point-to-point transfers straight from the parameters' device; nothing else of the model is
     copied, so the extra memory of ``dst`` stays near two buckets (the received shards and the
-    HF tensors made from them). Tensors may alias the parameters: read, never modify them."""
+    HF tensors made from them). Tensors may alias the parameters: read, never modify them.
+    ``group_of``: see ``_bucket_plan``."""
     if m.router_expert_bias:
         raise HFCheckpointError("model.router_expert_bias=True: the Qwen3-MoE HF format has no "
                                 "expert-bias tensor; export or sync weights without it")
     params = {global_name(n, m, ctx): p for n, p in _local_params(gpt).items()}
-    for bucket in _bucket_plan(gpt, m, ctx, bucket_bytes):
+    for bucket in _bucket_plan(gpt, m, ctx, bucket_bytes, group_of):
         yield _gather_bucket(bucket, params, m, ctx, dst)  # no reference kept here
 
 

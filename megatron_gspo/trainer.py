@@ -55,6 +55,7 @@ from megatron_gspo.rl_batch import (build_batch, exchange_rows, layouts_of, micr
                                     width_multiple)
 from megatron_gspo.rollout.local_engine import LocalEngine
 from megatron_gspo.rollout.sglang_engine import SGLangEngine, init_weights_update_group
+from megatron_gspo.rollout.sglang_layout import ServerLayout
 from megatron_gspo.rollout.share import share_samples
 from megatron_gspo.rollout.types import SamplingParams
 from megatron_gspo.weights import load_weights, save_weights
@@ -565,11 +566,13 @@ def make_engine(job: JobConfig, gpt, ctx, replay, tokenizer):
                            lockstep_group=lockstep)
     r, m = job.rollout, job.model
     moe_layers = [i for i, x in enumerate(m.moe_layer_pattern) if x]
+    direct = (ServerLayout(m, tp=r.sglang_gpus_per_server, ep=r.sglang_ep_per_server)
+              if r.weight_sync == "tensor" and r.tensor_sync_format == "direct" else None)
     return SGLangEngine(r.sglang_urls or [r.sglang_router_url], num_hidden_layers=m.num_layers,
                         top_k=m.top_k, moe_layers=moe_layers, return_routes=r.return_routes,
                         router_url=r.sglang_router_url, rows_per_request=r.sglang_rows_per_request,
                         max_in_flight=r.sglang_max_in_flight,
-                        server_tp=r.sglang_gpus_per_server)
+                        server_tp=r.sglang_gpus_per_server, direct=direct)
 
 
 def build_rl_optimizer(run: Run) -> None:

@@ -1,7 +1,9 @@
 """A stand-in SGLang server for tests: the same HTTP endpoints and payload shapes as sglang 0.5.x
 (batched /generate with per-row sampling params, log-probs and routed experts; weight updates from
-disk, over a process group and from serialized tensors, in buckets; pause / continue / flush,
-memory release / resume, health), generating with the local engine on a tiny model.
+disk, over a process group and from serialized tensors (full HF tensors per TP rank, or each
+rank's own shards in SGLang's parameter layout with ``load_format: "direct"``), in buckets;
+pause / continue / flush, memory release / resume, health), generating with the local engine on
+a tiny model.
 
 Behaves like SGLang where it matters: sampling is random (its own RNG, seeded from the OS) unless
 the server was started ``deterministic`` and a row carries a ``sampling_seed`` (then the noise is
@@ -11,7 +13,8 @@ parallel ranks, TP rank i reading entry i of ``serialized_named_tensors``; reque
 all shifted by ``logprob_shifts[sum(response ids) % len]``), as an engine that disagrees with the
 trainer by a known amount per sequence. Test hooks: POST /_fault {"mode": "500"|"hang"|"drop"|"malformed",
 "count": n} fails the next n requests; GET /_stats reports requests in flight (now and at most),
-/generate requests and rows served, and the tensor payloads read. Runs in its own process:
+/generate requests and rows served, the tensor payloads read and the bytes each TP rank received
+per tensor name. Runs in its own process:
 ``start(hf_dir, ...)`` returns (url, process)."""
 
 from __future__ import annotations
@@ -27,6 +30,121 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
                  "sampling_seed", "n", "stop", "min_p", "ignore_eos"}
+
+
+def sglang_param_shapes(cfg, tp: int, ep: int = 1) -> dict:
+    """The parameters of one TP rank of SGLang 0.5.15's Qwen3-MoE (``load_format: "direct"``
+    reads payloads into these, by name, sizes asserted), name -> shape, for ``--tp-size tp
+    --ep-size ep``. Dense layers take Qwen2MoeMLP's fused ``gate_up_proj`` / ``down_proj``."""
+    h, d, layers = cfg.hidden_size, cfg.head_dim, cfg.num_layers
+    vp = -(-cfg.vocab_size // 64) * 64
+    kv = max(1, cfg.num_query_groups // tp)
+    out = {"model.embed_tokens.weight": (vp // tp, h), "lm_head.weight": (vp // tp, h),
+           "model.norm.weight": (h,)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        out.update({f"{p}.input_layernorm.weight": (h,),
+                    f"{p}.post_attention_layernorm.weight": (h,),
+                    f"{p}.self_attn.q_norm.weight": (d,), f"{p}.self_attn.k_norm.weight": (d,),
+                    f"{p}.self_attn.qkv_proj.weight": ((cfg.num_attention_heads // tp + 2 * kv) * d, h),
+                    f"{p}.self_attn.o_proj.weight": (h, cfg.num_attention_heads * d // tp)})
+        if cfg.moe_layer_pattern[i]:
+            e, w = cfg.num_experts // ep, cfg.moe_ffn_hidden_size * ep // tp
+            out.update({f"{p}.mlp.gate.weight": (cfg.num_experts, h),
+                        f"{p}.mlp.experts.w13_weight": (e, 2 * w, h),
+                        f"{p}.mlp.experts.w2_weight": (e, h, w)})
+        else:
+            w = cfg.ffn_hidden_size // tp
+            out.update({f"{p}.mlp.gate_up_proj.weight": (2 * w, h),
+                        f"{p}.mlp.down_proj.weight": (h, w)})
+    return out
+
+
+def hf_slots(name: str, shape: tuple, cfg, tp: int, ep: int = 1) -> list:
+    """Where SGLang's weight loaders put the HF tensor ``name`` on each TP rank, as its
+    ``weight_loader(param, loaded, shard_id)`` calls do: (rank, parameter, index into the
+    parameter, index into the HF tensor) for every rank that holds part of it (an expert: the
+    ranks of its expert-parallel group, ``moe_tp = tp / ep`` of them)."""
+    import re
+
+    d, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_query_groups
+    all_ = (slice(None),)
+    out = []
+    for r in range(tp):
+        def rows(n, k):
+            return (slice(k * n, (k + 1) * n),)
+
+        def cols(n, k):
+            return (slice(None), slice(k * n, (k + 1) * n))
+
+        m = re.match(r"(model\.layers\.\d+)\.(self_attn|mlp)\.(.+)$", name)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            per = (-(-cfg.vocab_size // 64) * 64) // tp
+            n = max(0, min(per, shape[0] - r * per))
+            out.append((r, name, (slice(0, n),), (slice(r * per, r * per + n),)))
+            continue
+        if not m:
+            out.append((r, name, all_, all_))
+            continue
+        p, part, rest = m.groups()
+        qn, kvn = nq // tp * d, max(1, nkv // tp) * d
+        kv_rank = r // (tp // nkv) if tp >= nkv else r
+        em = re.match(r"experts\.(\d+)\.(gate|up|down)_proj\.weight$", rest)
+        if rest == "q_proj.weight":
+            out.append((r, f"{p}.self_attn.qkv_proj.weight", (slice(0, qn),), rows(qn, r)))
+        elif rest in ("k_proj.weight", "v_proj.weight"):
+            at = qn if rest[0] == "k" else qn + kvn
+            out.append((r, f"{p}.self_attn.qkv_proj.weight", (slice(at, at + kvn),),
+                        rows(kvn, kv_rank)))
+        elif rest == "o_proj.weight":
+            out.append((r, f"{p}.self_attn.o_proj.weight", all_, cols(nq * d // tp, r)))
+        elif em:
+            moe_tp, local = tp // ep, cfg.num_experts // ep
+            e, w, k = int(em.group(1)), cfg.moe_ffn_hidden_size // moe_tp, r % moe_tp
+            if e // local != r // moe_tp:
+                continue  # another expert-parallel group holds this expert
+            if em.group(2) == "down":
+                out.append((r, f"{p}.mlp.experts.w2_weight", (e % local,), cols(w, k)))
+            else:
+                at = 0 if em.group(2) == "gate" else w
+                out.append((r, f"{p}.mlp.experts.w13_weight", (e % local, slice(at, at + w)),
+                            rows(w, k)))
+        elif rest in ("gate_proj.weight", "up_proj.weight"):
+            w = cfg.ffn_hidden_size // tp
+            at = 0 if rest.startswith("gate") else w
+            out.append((r, f"{p}.mlp.gate_up_proj.weight", (slice(at, at + w),), rows(w, r)))
+        elif rest == "down_proj.weight":
+            out.append((r, f"{p}.mlp.down_proj.weight", all_,
+                        cols(cfg.ffn_hidden_size // tp, r)))
+        else:
+            out.append((r, f"{p}.{part}.{rest}", all_, all_))
+    return out
+
+
+def to_ranks(hf: dict, cfg, tp: int, ep: int = 1) -> list:
+    """Every TP rank's SGLang parameters holding the HF weights ``hf`` (padding rows zero)."""
+    import torch
+
+    ranks = [{k: torch.zeros(v) for k, v in sglang_param_shapes(cfg, tp, ep).items()}
+             for _ in range(tp)]
+    for name, t in hf.items():
+        for r, param, at, src in hf_slots(name, tuple(t.shape), cfg, tp, ep):
+            ranks[r][param][at] = t[src]
+    return ranks
+
+
+def from_ranks(ranks: list, like: dict, cfg, tp: int, ep: int = 1) -> dict:
+    """The HF weights (names and shapes of ``like``) that the TP ranks' parameters hold: what
+    the server computes with."""
+    import torch
+
+    hf = {}
+    for name, t in like.items():
+        full = torch.empty_like(t)
+        for r, param, at, src in hf_slots(name, tuple(t.shape), cfg, tp, ep):
+            full[src] = ranks[r][param][at]
+        hf[name] = full
+    return hf
 
 
 def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
@@ -54,7 +172,7 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
     lock = threading.Lock()
     state = {"fault": None, "count": 0, "paused": False, "version": "default", "group": None,
              "released": set(), "calls": [], "in_flight": 0, "max_in_flight": 0,
-             "generate_requests": 0, "rows": 0, "tensor_payloads": []}
+             "generate_requests": 0, "rows": 0, "tensor_payloads": [], "rank_tensors": {}}
     moe_layers = [i for i, x in enumerate(cfg.moe_layer_pattern) if x]
 
     def params_of(sp):
@@ -126,6 +244,26 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
         if version is not None:
             state["version"] = version
 
+    shapes = sglang_param_shapes(cfg, tp)
+
+    def direct_update(per_rank, version):
+        """``load_format: "direct"``: each rank copies its payload into its own parameters by
+        SGLang name (``default_weight_loader``: a KeyError for an unknown name, an assertion
+        for a size that differs)."""
+        with lock:
+            ranks = to_ranks(weights, cfg, tp)
+        for r, named in enumerate(per_rank):
+            for name, t in named.items():
+                if name not in shapes:
+                    return 500, {"error": {"message": f"tp rank {r}: KeyError: {name!r}"}}
+                if tuple(t.shape) != shapes[name]:
+                    return 500, {"error": {"message": (
+                        f"tp rank {r}: AssertionError: Attempted to load weight "
+                        f"({tuple(t.shape)}) into parameter {name} ({shapes[name]})")}}
+                ranks[r][name].copy_(t)
+        load_bucket(from_ranks(ranks, weights, cfg, tp), version)
+        return 200, {"success": True, "message": "updated"}
+
     def tensor_update(body):
         entries = body["serialized_named_tensors"]
         per_rank = []
@@ -136,6 +274,15 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
             named = torch.load(io.BytesIO(base64.b64decode(entries[tp_rank])), weights_only=True)
             per_rank.append(dict(named))
         state["tensor_payloads"].append(len(entries))
+        for r, named in enumerate(per_rank):
+            got = state["rank_tensors"].setdefault(str(r), {})
+            for name, t in named.items():
+                got[name] = got.get(name, 0) + t.numel() * t.element_size()
+        load_format = body.get("load_format")
+        if load_format == "direct":
+            return direct_update(per_rank, body.get("weight_version"))
+        if load_format is not None:
+            return 500, {"error": {"message": f"unknown load_format {load_format!r}"}}
         for other in per_rank[1:]:  # every rank loads the full tensors and keeps its shard
             if {k: v.shape for k, v in other.items()} != {k: v.shape for k, v in per_rank[0].items()}:
                 return 500, {"error": {"message": "TP ranks received different tensors"}}
@@ -176,7 +323,7 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
         def do_GET(self):
             if self.path == "/_stats":
                 keys = ("in_flight", "max_in_flight", "generate_requests", "rows",
-                        "tensor_payloads", "version")
+                        "tensor_payloads", "rank_tensors", "version")
                 return self._reply(200, {**{k: state[k] for k in keys},
                                          "generate_posts": state["calls"].count("/generate")})
             if self._fault():
@@ -203,7 +350,7 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
             if self.path == "/_reset_stats":
                 for k in ("max_in_flight", "generate_requests", "rows"):
                     state[k] = 0
-                state["tensor_payloads"], state["calls"] = [], []
+                state["tensor_payloads"], state["calls"], state["rank_tensors"] = [], [], {}
                 return self._reply(200, {"success": True})
             if self._fault():
                 return
@@ -378,7 +525,8 @@ def peak_allocated(fn):
 
 def trainer_sync_job(hf_dir, cases, prompts):
     """Trainer ranks: for each case (server URL, parallel layout, sync mode, server TP size,
-    bucket bytes),
+    bucket bytes, "direct": per-rank shards in SGLang's layout, "reset_stats": the server's
+    counters reset first),
     import (perturbed) HF weights into the layout, push them to the server through the HF
     mapping, and return the server's greedy outputs afterwards, what was sent and the peak
     memory allocated during the sync on each rank."""
@@ -391,6 +539,7 @@ def trainer_sync_job(hf_dir, cases, prompts):
     from megatron_gspo.model import build_model
     from megatron_gspo.parallel import destroy_parallel, init_parallel
     from megatron_gspo.rollout.sglang_engine import SGLangEngine, init_weights_update_group
+    from megatron_gspo.rollout.sglang_layout import ServerLayout
     from megatron_gspo.rollout.types import SamplingParams
     from tests.model_workers import tiny_model_config
 
@@ -400,8 +549,12 @@ def trainer_sync_job(hf_dir, cases, prompts):
         ctx = init_parallel(ParallelConfig(**case["parallel"]), cfg, seed=0)
         gpt = build_model(cfg, ctx)
         load_hf_weights(gpt, hf_dir, cfg, ctx)
+        server_tp = case.get("server_tp", 1)
         engine = SGLangEngine([case["url"]], num_hidden_layers=4, top_k=2, moe_layers=[1, 2, 3],
-                              server_tp=case.get("server_tp", 1))
+                              server_tp=server_tp,
+                              direct=ServerLayout(cfg, tp=server_tp) if case.get("direct") else None)
+        if case.get("reset_stats") and ctx.rank == 0:
+            engine.clients[0].post("/_reset_stats")
         group = None
         if case["mode"] == "distributed" and ctx.rank == 0:
             with socket.socket() as sock:

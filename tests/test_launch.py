@@ -183,8 +183,8 @@ def test_dry_run_of_the_qwen3_30b_recipe_on_4_nodes(cluster):
     out = subprocess.run(
         ["bash", os.path.join(LAUNCH, "submit.sh"), "--dry-run", "--nodes", "4", "--gpus-per-node",
          "8", "--container-image", "/images/megatron-gspo.sqsh", "--container-mounts",
-         "/data:/data", "--sglang", "colocated", "--model-path", "/models/Qwen3-30B-A3B",
-         "--run-dir", "/shared/q30", "--", "+experiment=qwen3_30b_a3b", "+arm=grpo_r2",
+         "/data:/data", "--sglang", "colocated", "--sglang-ep", "2", "--model-path",
+         "/models/Qwen3-30B-A3B", "--run-dir", "/shared/q30", "--", "+experiment=qwen3_30b_a3b", "+arm=grpo_r2",
          "cluster.partition=gpu", "data.files=[/data/train.parquet]"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -201,6 +201,8 @@ def test_dry_run_of_the_qwen3_30b_recipe_on_4_nodes(cluster):
         assert "--nproc-per-node=8" in line and "--rdzv-endpoint=gpu-1:29500" in line
     assert text.count("sglang.launch_server") == 4
     assert "--enable-return-routed-experts" in text
+    assert text.count("--tp-size 8 --ep-size 2") == 4
+    assert "rollout.sglang_ep_per_server=2" in text
     assert "rollout.sglang_urls=\\[http://gpu-1:30000\\,http://gpu-2:30000" in text
     assert log.read_text() == ""  # nothing was submitted or run
 

@@ -4,12 +4,14 @@ from per-row seeds), have tensor-parallel ranks and take time per request:
 - the whole batch in flight: batched requests, several at once, each retried alone on a fault;
 - per-row seeds: a group's responses differ, a deterministic server repeats them;
 - weight sync in buckets: ``distributed`` from an EP=2 trainer and ``tensor`` from a TP=2 trainer
-  to a TP=2 server leave the server generating as after loading the same checkpoint from disk,
-  with the extra memory of a sync measured against the bucket size;
+  to a TP=2 server (full HF tensors per rank, or each rank only its shards in SGLang's layout)
+  leave the server generating as after loading the same checkpoint from disk, with the extra
+  memory of a sync measured against the bucket size;
 - the trainer on TP=2+SP, PP=2, CP=2 and DP=2 layouts: one leader per replica talks to SGLang and
   every rank of a replica trains on the same token ids.
 """
 
+import math
 import socket
 
 import pytest
@@ -17,7 +19,8 @@ import pytest
 from megatron_gspo.rollout.sglang_engine import RetryPolicy, SGLangClient, SGLangEngine, SGLangError
 from megatron_gspo.rollout.types import SamplingParams
 from tests.distributed import run_ranks
-from tests.sglang_standin import start
+from tests.model_workers import tiny_model_config
+from tests.sglang_standin import sglang_param_shapes, start
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [20, 21], [30, 31, 32, 33], [40], [50, 51, 52]]
 SAMPLED = SamplingParams(max_new_tokens=6, temperature=1.0, seed=11)
@@ -122,10 +125,13 @@ def test_weight_sync_in_buckets(random_tp2, deterministic, tiny_hf_checkpoint,
     tp2 = dict(tp=2, sequence_parallel=True)
     cases = [dict(url=deterministic, parallel=dict(ep=2), mode="distributed", bucket_bytes=bucket),
              dict(url=random_tp2, parallel=tp2, mode="tensor", server_tp=2, bucket_bytes=bucket),
-             dict(url=random_tp2, parallel=tp2, mode="tensor", server_tp=1, bucket_bytes=bucket)]
+             dict(url=random_tp2, parallel=tp2, mode="tensor", server_tp=1, bucket_bytes=bucket),
+             dict(url=random_tp2, parallel=tp2, mode="tensor", server_tp=2, bucket_bytes=bucket,
+                  direct=True, reset_stats=True)]
     ranks = run_ranks(trainer_sync_job, 2, perturbed, cases, PROMPTS)
     dist_ranks = [r[:1] for r in ranks]
-    tensor_ranks = [r[1:] for r in ranks]
+    tensor_ranks = [r[1:3] for r in ranks]
+    direct_ranks = [r[3] for r in ranks]
 
     # EP=2 -> buckets broadcast over the weight-update group -> the server's weights.
     lead = dist_ranks[0][0]
@@ -145,6 +151,22 @@ def test_weight_sync_in_buckets(random_tp2, deterministic, tiny_hf_checkpoint,
         assert rank[0]["peak"] <= 2.5 * bucket, (rank[0]["peak"], bucket)
     # A single payload (today's SGLang client before per-rank payloads) fails on TP rank 1.
     assert "HTTP 500" in one_payload["error"] and "tp rank 1" in one_payload["error"]
+
+    # load_format "direct": each TP rank's payload holds only its own shards, in SGLang's names
+    # and per-rank shapes; every parameter of the rank arrived exactly once.
+    lead = direct_ranks[0]
+    assert lead["error"] is None and lead["outputs"] == expected[random_tp2]
+    assert lead["stats"].buckets >= 3
+    for rank in direct_ranks:
+        assert rank["peak"] <= 2.5 * bucket, (rank["peak"], bucket)
+    shapes = sglang_param_shapes(tiny_model_config(tiny_hf_checkpoint), 2)
+    received = stats(random_tp2)["rank_tensors"]
+    assert sorted(received) == ["0", "1"]
+    model_bytes = sum(t.numel() * t.element_size() for t in perturbed_checkpoint[1].values())
+    for got in received.values():
+        assert got == {name: 4 * math.prod(shape) for name, shape in shapes.items()}
+        assert sum(got.values()) < 0.6 * model_bytes  # its share, not the model
+    assert lead["stats"].bytes == sum(sum(got.values()) for got in received.values())
     for url in (random_tp2, deterministic):
         engine(url).update_weights_from_disk(tiny_hf_checkpoint)
 

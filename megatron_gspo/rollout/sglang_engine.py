@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from megatron_gspo import comm
+from megatron_gspo.rollout.sglang_layout import ServerLayout, param_of
 from megatron_gspo.rollout.types import Sample, SamplingParams, row_seed
 
 try:  # pragma: no cover - sglang is a GPU-only dependency
@@ -196,7 +197,9 @@ class SyncStats:
     """One weight sync: what was sent and how long it took."""
 
     mode: str
-    tensors: int
+    tensors: int  # HF tensors
+    # Bytes the trainer sent: the HF tensors for disk and distributed (one broadcast reaches every
+    # server rank); for tensor, the payloads of all TP ranks of one server.
     bytes: int
     buckets: int
     seconds: float
@@ -213,12 +216,16 @@ class SGLangEngine:
     (sglang-router balances them), else round-robin over the servers; each request has its own
     retries, so a failed one is resent alone. Control calls (pause, weight updates, memory) go to
     every server, which the router does not relay. ``server_tp``: each server's tensor-parallel
-    size (``update_weights_from_tensor`` sends one payload per TP rank)."""
+    size (``update_weights_from_tensor`` sends one payload per TP rank). ``direct``: the
+    servers' parameter layout (``sglang_layout.ServerLayout``, its ``tp`` equal to
+    ``server_tp``); given, each TP rank's payload holds only its own shards in SGLang's names
+    (``load_format: "direct"``), else every rank gets the full HF tensors and cuts its slice."""
 
     def __init__(self, urls: Sequence[str], *, num_hidden_layers: int, top_k: int,
                  moe_layers: Sequence[int], return_routes: bool = False,
                  retry: Optional[RetryPolicy] = None, router_url: Optional[str] = None,
-                 rows_per_request: int = 64, max_in_flight: int = 32, server_tp: int = 1):
+                 rows_per_request: int = 64, max_in_flight: int = 32, server_tp: int = 1,
+                 direct: Optional[ServerLayout] = None):
         if not urls:
             raise ValueError("SGLangEngine needs at least one server URL")
         if rows_per_request < 1 or max_in_flight < 1 or server_tp < 1:
@@ -228,7 +235,9 @@ class SGLangEngine:
         self.router = SGLangClient(router_url, retry) if router_url else None
         self.routes_shape = (num_hidden_layers, top_k, list(moe_layers)) if return_routes else None
         self.rows_per_request, self.max_in_flight = rows_per_request, max_in_flight
-        self.server_tp = server_tp
+        if direct is not None and direct.tp != server_tp:
+            raise ValueError(f"direct layout for tp={direct.tp}, servers have tp={server_tp}")
+        self.server_tp, self.direct = server_tp, direct
         self.weight_version = 0
         if self.router is not None:
             self.register_workers()
@@ -357,13 +366,30 @@ class SGLangEngine:
         with self._paused():
             self._distributed_bucket(named_tensors, group, group_name)
 
-    def _tensor_bucket(self, named_tensors: Sequence[tuple]) -> None:
+    def _tensor_bucket(self, named_tensors: Sequence[tuple]) -> int:
         """Colocated servers: one serialized payload per server TP rank (TP rank i reads entry
-        i); each holds the bucket's full HF tensors, which the rank shards as it loads them."""
-        blob = serialize_named_tensors(named_tensors)
+        i). With a ``direct`` layout, rank i's holds only its own shards, made from the bucket
+        one rank at a time (CUDA tensors travel as IPC handles and stay alive until the call
+        returns); else each holds the bucket's full HF tensors, which the rank shards as it
+        loads them. Returns the bytes of tensors sent to one server."""
+        if self.direct is None:
+            blob = serialize_named_tensors(named_tensors)
+            entries, load_format = [blob] * self.server_tp, None
+            sent = self.server_tp * sum(t.numel() * t.element_size() for _, t in named_tensors)
+        else:
+            hf, entries, alive, sent = dict(named_tensors), [], [], 0
+            for rank in range(self.server_tp):
+                shards = self.direct.rank_shards(hf, rank)
+                entries.append(serialize_named_tensors(shards))
+                sent += sum(t.numel() * t.element_size() for _, t in shards)
+                if any(t.is_cuda for _, t in shards):
+                    alive.append(shards)
+                del shards
+            load_format = "direct"
         self._each("/update_weights_from_tensor",
-                   {"serialized_named_tensors": [blob] * self.server_tp, "flush_cache": False,
-                    "weight_version": str(self.weight_version)})
+                   {"serialized_named_tensors": entries, "load_format": load_format,
+                    "flush_cache": False, "weight_version": str(self.weight_version)})
+        return sent
 
     def update_weights_from_tensor(self, named_tensors: Sequence[tuple]) -> None:
         self.weight_version += 1
@@ -388,6 +414,7 @@ class SGLangEngine:
         t0 = time.perf_counter()
         leader = ctx.rank == 0
         sent = [0, 0, 0]  # tensors, bytes, buckets
+        group_of = param_of if mode == "tensor" and self.direct is not None else None
         if mode == "disk":
             writer = ShardWriter(disk_dir) if leader else None
             send = writer.write if leader else None
@@ -401,11 +428,10 @@ class SGLangEngine:
         # leader failed to send one; the failure is raised on every rank afterwards.
         error = None
         try:
-            for bucket in iter_hf_buckets(gpt, model_cfg, ctx, bucket_bytes):
+            for bucket in iter_hf_buckets(gpt, model_cfg, ctx, bucket_bytes, group_of=group_of):
                 if leader and error is None:
                     try:
-                        send(bucket)
-                        _count(sent, bucket)
+                        _count(sent, bucket, send(bucket))
                     except Exception as e:
                         error = e
                 del bucket  # before the next one is gathered: two buckets at most
@@ -437,9 +463,11 @@ class SGLangEngine:
         return None
 
 
-def _count(sent: list, bucket: Sequence[tuple]) -> None:
+def _count(sent: list, bucket: Sequence[tuple], nbytes: Optional[int]) -> None:
+    """Add a bucket to ``sent`` (tensors, bytes, buckets): ``nbytes`` sent for it, or (None)
+    the bytes of its HF tensors."""
     sent[0] += len(bucket)
-    sent[1] += sum(t.numel() * t.element_size() for _, t in bucket)
+    sent[1] += sum(t.numel() * t.element_size() for _, t in bucket) if nbytes is None else nbytes
     sent[2] += 1
 
 

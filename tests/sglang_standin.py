@@ -8,13 +8,13 @@ a tiny model.
 Behaves like SGLang where it matters: sampling is random (its own RNG, seeded from the OS) unless
 the server was started ``deterministic`` and a row carries a ``sampling_seed`` (then the noise is
 keyed by seed and position, as SGLang's deterministic inference does); it has ``tp`` tensor-
-parallel ranks, TP rank i reading entry i of ``serialized_named_tensors``; requests take
-``latency_s`` before any work; with ``logprob_shifts`` it reports perturbed log-probs (a response's
+parallel ranks, TP rank i reading entry i of ``serialized_named_tensors``; requests waiting
+together decode as one batch (continuous batching); requests take ``latency_s`` before any work; with ``logprob_shifts`` it reports perturbed log-probs (a response's
 all shifted by ``logprob_shifts[sum(response ids) % len]``), as an engine that disagrees with the
 trainer by a known amount per sequence. Test hooks: POST /_fault {"mode": "500"|"hang"|"drop"|"malformed",
 "count": n} fails the next n requests; GET /_stats reports requests in flight (now and at most),
-/generate requests and rows served, the tensor payloads read and the bytes each TP rank received
-per tensor name. Runs in its own process:
+/generate requests and rows served, the rows of each decoded batch, the tensor payloads read and
+the bytes each TP rank received per tensor name. Runs in its own process:
 ``start(hf_dir, ...)`` returns (url, process)."""
 
 from __future__ import annotations
@@ -172,7 +172,8 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
     lock = threading.Lock()
     state = {"fault": None, "count": 0, "paused": False, "version": "default", "group": None,
              "released": set(), "calls": [], "in_flight": 0, "max_in_flight": 0,
-             "generate_requests": 0, "rows": 0, "tensor_payloads": [], "rank_tensors": {}}
+             "generate_requests": 0, "rows": 0, "tensor_payloads": [], "rank_tensors": {},
+             "batches": []}
     moe_layers = [i for i, x in enumerate(cfg.moe_layer_pattern) if x]
 
     def params_of(sp):
@@ -212,27 +213,64 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
             unknown = set(sp) - SAMPLING_KEYS
             if unknown:
                 return 500, {"error": {"message": f"unexpected keyword {sorted(unknown)[0]}"}}
-        outs = [None] * len(ids)
-        groups = {}  # rows with the same sampling params (but their seeds) decode together
-        for r, sp in enumerate(sps):
-            key = json.dumps({k: v for k, v in sp.items() if k != "sampling_seed"},
-                             sort_keys=True)
-            groups.setdefault(key, []).append(r)
-        for rows in groups.values():
-            params = params_of(sps[rows[0]])
-            seeds = [sps[r].get("sampling_seed") for r in rows]
-            row_seeds = seeds if deterministic and None not in seeds else None
-            with lock:
-                samples = engine.generate([ids[r] for r in rows], 1, params, row_seeds=row_seeds)
-                state["rows"] += len(rows)
-            for r, s in zip(rows, samples):
-                item = result(s)
-                if not body.get("return_logprob"):
-                    del item["meta_info"]["output_token_logprobs"]
-                if not body.get("return_routed_experts"):
-                    del item["meta_info"]["routed_experts"]
-                outs[r] = item
+        job = {"rows": list(zip(ids, sps)), "samples": None, "error": None,
+               "done": threading.Event()}
+        with queued:
+            pending.append(job)
+            queued.notify()
+        job["done"].wait()
+        if job["error"] is not None:
+            return 500, {"error": {"message": job["error"]}}
+        outs = []
+        for s in job["samples"]:
+            item = result(s)
+            if not body.get("return_logprob"):
+                del item["meta_info"]["output_token_logprobs"]
+            if not body.get("return_routed_experts"):
+                del item["meta_info"]["routed_experts"]
+            outs.append(item)
         return 200, outs[0] if single else outs
+
+    # Continuous batching, as SGLang's scheduler does it (coarser: new requests join at the next
+    # batch, not at the next decoding step): every request waiting when a batch starts decodes in
+    # it, rows with the same sampling params (but their seeds) together. A deterministic server
+    # decodes each request alone: SGLang's deterministic inference is batch-invariant, the local
+    # engine is only up to rounding, which could flip a sampled token.
+    pending, queued = [], threading.Condition()
+
+    def batcher():
+        while True:
+            with queued:
+                while not pending:
+                    queued.wait()
+                jobs = pending[:]
+                pending.clear()
+            groups = {}
+            for j, job in enumerate(jobs):
+                job["samples"] = [None] * len(job["rows"])
+                for r, (_, sp) in enumerate(job["rows"]):
+                    key = json.dumps({k: v for k, v in sp.items() if k != "sampling_seed"},
+                                     sort_keys=True)
+                    groups.setdefault((j if deterministic else 0, key), []).append((j, r))
+            try:
+                for members in groups.values():
+                    sps = [jobs[j]["rows"][r][1] for j, r in members]
+                    seeds = [sp.get("sampling_seed") for sp in sps]
+                    with lock:
+                        samples = engine.generate(
+                            [jobs[j]["rows"][r][0] for j, r in members], 1, params_of(sps[0]),
+                            row_seeds=seeds if deterministic and None not in seeds else None)
+                        state["rows"] += len(members)
+                        state["batches"].append(len(members))
+                    for (j, r), sample in zip(members, samples):
+                        jobs[j]["samples"][r] = sample
+            except Exception as e:  # the batch's requests fail, the server goes on
+                for job in jobs:
+                    job["error"] = f"{type(e).__name__}: {e}"
+            for job in jobs:
+                job["done"].set()
+
+    threading.Thread(target=batcher, daemon=True).start()
 
     def load_bucket(tensors, version):
         with lock:
@@ -323,7 +361,7 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
         def do_GET(self):
             if self.path == "/_stats":
                 keys = ("in_flight", "max_in_flight", "generate_requests", "rows",
-                        "tensor_payloads", "rank_tensors", "version")
+                        "tensor_payloads", "rank_tensors", "batches", "version")
                 return self._reply(200, {**{k: state[k] for k in keys},
                                          "generate_posts": state["calls"].count("/generate")})
             if self._fault():
@@ -351,6 +389,7 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
                 for k in ("max_in_flight", "generate_requests", "rows"):
                     state[k] = 0
                 state["tensor_payloads"], state["calls"], state["rank_tensors"] = [], [], {}
+                state["batches"] = []
                 return self._reply(200, {"success": True})
             if self._fault():
                 return

@@ -69,6 +69,8 @@ def test_the_batch_is_in_flight_at_once(random_tp2):
     seen = stats(random_tp2)
     assert seen["generate_requests"] == 6 and seen["rows"] == 24  # 24 rows in requests of 4
     assert seen["max_in_flight"] >= 2
+    # Requests that wait together decode together (the server's continuous batching).
+    assert sum(seen["batches"]) == 24 and len(seen["batches"]) < 6, seen["batches"]
 
 
 def test_a_random_server_gives_every_group_distinct_responses(random_tp2):

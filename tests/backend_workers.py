@@ -61,3 +61,51 @@ def redirect_probe_on_clean_module():
 
     adaptation = cpu_backend._redirect("megatron.core.transformer.enums", "probe")
     return adaptation.needed()
+
+
+def gloo_bucket_collectives():
+    """DDP's bucket reduce-scatter and all-gather as the gloo adaptation runs them (inside a
+    coalescing manager, as DDP calls them) against torch's own functions, on this run's ranks and
+    on a one-rank group; returns what each rank saw."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    from megatron_gspo import cpu_backend
+
+    dist.init_process_group("gloo", init_method="env://")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    one = [dist.new_group([r]) for r in range(world)][rank]
+    out = {}
+    for name, group in (("world", dist.group.WORLD), ("one", one)):
+        size = group.size()
+        g = torch.Generator().manual_seed(10 + rank)
+        grads = [torch.randn(size * 5, generator=g), torch.randn(size * 3, generator=g)]
+        params = [torch.randn(size * 4, generator=g), torch.randn(size * 2, generator=g)]
+        ref_g, ref_p = [t.clone() for t in grads], [t.clone() for t in params]
+        with _coalescing_manager(group):
+            for t in ref_g:
+                dist.reduce_scatter_tensor(t.view(size, -1)[group.rank()], t, group=group)
+        with _coalescing_manager(group):
+            for t in ref_p:
+                dist.all_gather_into_tensor(t, t.view(size, -1)[group.rank()], group=group)
+        with _coalescing_manager(group):
+            for t in grads:
+                cpu_backend._gloo_reduce_scatter(t.view(size, -1)[group.rank()], t, group=group)
+        with _coalescing_manager(group):
+            for t in params:
+                cpu_backend._gloo_all_gather(t, t.view(size, -1)[group.rank()], group=group)
+        shard = [t.view(size, -1)[group.rank()] for t in grads]
+        out[name] = {
+            "reduce_scatter_equal": all(torch.equal(a, b.view(size, -1)[group.rank()])
+                                        for a, b in zip(shard, ref_g)),
+            "all_gather_equal": all(torch.equal(a, b) for a, b in zip(params, ref_p)),
+        }
+    # Not this rank's shard of the bucket (a separate output): torch's own function runs.
+    full = torch.arange(world * 2, dtype=torch.float32) + rank
+    separate = torch.empty(2)
+    cpu_backend._gloo_reduce_scatter(separate, full.clone())
+    expected = torch.empty(2)
+    dist.reduce_scatter_tensor(expected, full.clone())
+    out["separate_output_equal"] = torch.equal(separate, expected)
+    dist.destroy_process_group()
+    return out

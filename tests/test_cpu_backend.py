@@ -7,7 +7,8 @@ import torch
 
 from megatron_gspo import cpu_backend, te
 from tests.distributed import run_ranks
-from tests.backend_workers import backend_before_and_after, redirect_probe_on_clean_module
+from tests.backend_workers import (backend_before_and_after, gloo_bucket_collectives,
+                                   redirect_probe_on_clean_module)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,15 @@ def test_clip_is_noop_under_the_limit():
     p.grad = torch.full((3,), 0.1)
     cpu_backend.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=math.sqrt(0.03))
     assert torch.equal(p.grad, torch.full((3,), 0.1))
+
+
+def test_gloo_bucket_collectives_equal_torchs():
+    """The bucket reduce-scatter / all-gather as one all-reduce give this rank's shard (and the
+    gathered bucket) exactly as torch's gloo functions do, on 3 ranks and on one-rank groups."""
+    for seen in run_ranks(gloo_bucket_collectives, 3):
+        assert seen == {"world": {"reduce_scatter_equal": True, "all_gather_equal": True},
+                        "one": {"reduce_scatter_equal": True, "all_gather_equal": True},
+                        "separate_output_equal": True}
 
 
 def test_redirect_switches_off_for_a_module_without_cuda_use():

@@ -277,9 +277,10 @@ class RolloutConfig:
     # group, payloads of weight_sync=tensor.
     sglang_gpus_per_server: int = 8
     sglang_ep_per_server: int = 1  # each server's --ep-size (its expert layout, for direct sync)
-    # weight_sync=tensor: direct (each server TP rank gets only its own shards, in SGLang's
-    # parameter layout: sglang_layout.py) | hf (every rank gets the full HF tensors).
-    tensor_sync_format: str = "direct"
+    # weight_sync=tensor: hf (every server TP rank gets the bucket's full HF tensors and cuts its
+    # slice) | direct (each rank gets only its own shards, in SGLang's parameter layout of the
+    # default MoE runner on Hopper GPUs: sglang_layout.py).
+    tensor_sync_format: str = "hf"
     sglang_rows_per_request: int = 64  # rows of one batched /generate request
     sglang_max_in_flight: int = 32  # requests in flight at once (per replica leader)
     weight_sync_bucket_mb: float = 512.0  # weights go out in buckets of about this size

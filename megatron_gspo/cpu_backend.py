@@ -382,7 +382,8 @@ def _gloo_reduce_scatter(output, input, op=None, group=None, async_op=False):
 
 def _gloo_all_gather(output, input, group=None, async_op=False):
     """DDP's parameter all-gather over gloo as one all-reduce of the bucket whose other ranks'
-    shards are zeroed first: x + 0 is x, so every shard arrives exactly (a -0.0 becomes +0.0)."""
+    shards are zeroed first: x + 0 is x, so every shard arrives exactly (with more than one rank a
+    -0.0 arrives as +0.0)."""
     import torch.distributed as dist
 
     group = group or dist.group.WORLD

@@ -9,13 +9,14 @@ Behaves like SGLang where it matters: sampling is random (its own RNG, seeded fr
 the server was started ``deterministic`` and a row carries a ``sampling_seed`` (then the noise is
 keyed by seed and position, as SGLang's deterministic inference does); it has ``tp`` tensor-
 parallel ranks, TP rank i reading entry i of ``serialized_named_tensors``; requests waiting
-together decode as one batch (continuous batching); requests take ``latency_s`` before any work; with ``logprob_shifts`` it reports perturbed log-probs (a response's
-all shifted by ``logprob_shifts[sum(response ids) % len]``), as an engine that disagrees with the
-trainer by a known amount per sequence. Test hooks: POST /_fault {"mode": "500"|"hang"|"drop"|"malformed",
+together decode as one batch (continuous batching); requests take ``latency_s`` before any work;
+with ``logprob_shifts`` it reports perturbed log-probs (a response's all shifted by
+``logprob_shifts[sum(response ids) % len]``), as an engine that disagrees with the trainer by a
+known amount per sequence. Test hooks: POST /_fault {"mode": "500"|"hang"|"drop"|"malformed",
 "count": n} fails the next n requests; GET /_stats reports requests in flight (now and at most),
-/generate requests and rows served, the rows of each decoded batch, the tensor payloads read and
-the bytes each TP rank received per tensor name. Runs in its own process:
-``start(hf_dir, ...)`` returns (url, process)."""
+/generate requests and rows served, the rows of each decoding batch (one per sampling-params
+group of a batch), the tensor payloads read and the bytes each TP rank received per tensor name.
+Runs in its own process: ``start(hf_dir, ...)`` returns (url, process)."""
 
 from __future__ import annotations
 
@@ -169,7 +170,8 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
     load_hf_weights(gpt, hf_dir, cfg, ctx)
     weights = gather_hf_state(gpt, cfg, ctx)  # the server's HF-named weights, updated per bucket
     engine = LocalEngine(gpt, ctx, replay=RoutingReplay(gpt))
-    lock = threading.Lock()
+    lock = threading.Lock()  # the model: decoding and weight updates
+    counters = threading.Lock()  # request counters and injected faults
     state = {"fault": None, "count": 0, "paused": False, "version": "default", "group": None,
              "released": set(), "calls": [], "in_flight": 0, "max_in_flight": 0,
              "generate_requests": 0, "rows": 0, "tensor_payloads": [], "rank_tensors": {},
@@ -210,6 +212,9 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
             return 400, {"error": {"message": f"{len(sps)} sampling_params for {len(ids)} "
                                               "inputs"}}
         for sp in sps:
+            if not isinstance(sp, dict):
+                return 400, {"error": {"message": f"sampling_params entry {sp!r} is not an "
+                                                  "object"}}
             unknown = set(sp) - SAMPLING_KEYS
             if unknown:
                 return 500, {"error": {"message": f"unexpected keyword {sorted(unknown)[0]}"}}
@@ -245,14 +250,14 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
                     queued.wait()
                 jobs = pending[:]
                 pending.clear()
-            groups = {}
-            for j, job in enumerate(jobs):
-                job["samples"] = [None] * len(job["rows"])
-                for r, (_, sp) in enumerate(job["rows"]):
-                    key = json.dumps({k: v for k, v in sp.items() if k != "sampling_seed"},
-                                     sort_keys=True)
-                    groups.setdefault((j if deterministic else 0, key), []).append((j, r))
             try:
+                groups = {}
+                for j, job in enumerate(jobs):
+                    job["samples"] = [None] * len(job["rows"])
+                    for r, (_, sp) in enumerate(job["rows"]):
+                        key = json.dumps({k: v for k, v in sp.items() if k != "sampling_seed"},
+                                         sort_keys=True)
+                        groups.setdefault((j if deterministic else 0, key), []).append((j, r))
                 for members in groups.values():
                     sps = [jobs[j]["rows"][r][1] for j, r in members]
                     seeds = [sp.get("sampling_seed") for sp in sps]
@@ -342,7 +347,7 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
         def _fault(self):
             if self.path.startswith("/_"):
                 return False
-            with lock:
+            with counters:
                 mode = state["fault"] if state["count"] > 0 else None
                 if mode:
                     state["count"] -= 1
@@ -382,7 +387,7 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
                 return self._reply(400, {"object": "error", "message": str(e), "code": 400})
             state["calls"].append(self.path)
             if self.path == "/_fault":
-                with lock:
+                with counters:
                     state["fault"], state["count"] = body["mode"], body.get("count", 1)
                 return self._reply(200, {"success": True})
             if self.path == "/_reset_stats":
@@ -396,7 +401,7 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
             if self.path == "/generate":
                 if "input_ids" not in body:
                     return self._reply(400, {"error": {"message": "input_ids required"}})
-                with lock:
+                with counters:
                     state["in_flight"] += 1
                     state["generate_requests"] += 1
                     state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
@@ -404,7 +409,7 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
                     time.sleep(latency_s)
                     return self._reply(*generate(body))
                 finally:
-                    with lock:
+                    with counters:
                         state["in_flight"] -= 1
             if self.path == "/pause_generation":
                 state["paused"] = True

@@ -138,7 +138,8 @@ INVALID = [  # (overrides, key the message must name)
     (["rollout.tensor_sync_format=npz"], "rollout.tensor_sync_format"),
     (["rollout.sglang_ep_per_server=3"], "rollout.sglang_ep_per_server"),  # 8 GPUs per server
     (["rollout=sglang", "rollout.sglang_urls=[http://h:1]", "rollout.weight_sync=tensor",
-      "rollout.sglang_gpus_per_server=16"], "rollout.sglang_gpus_per_server"),  # 4 heads
+      "rollout.tensor_sync_format=direct", "rollout.sglang_gpus_per_server=16"],
+     "rollout.sglang_gpus_per_server"),  # 4 heads
     (["data.task=multiply"], "data.task"),
     (["data=files"], "data.files"),
     (["data.reward=bleu"], "data.reward"),

@@ -169,6 +169,7 @@ def test_weight_sync_in_buckets(random_tp2, deterministic, tiny_hf_checkpoint,
         assert got == {name: 4 * math.prod(shape) for name, shape in shapes.items()}
         assert sum(got.values()) < 0.6 * model_bytes  # its share, not the model
     assert lead["stats"].bytes == sum(sum(got.values()) for got in received.values())
+    assert ok["stats"].bytes == model_bytes  # hf: each bucket once, its payload sent per rank
     for url in (random_tp2, deterministic):
         engine(url).update_weights_from_disk(tiny_hf_checkpoint)
 
@@ -188,7 +189,8 @@ def test_trainer_layouts_with_sglang(random_tp2, deterministic, tiny_hf_checkpoi
     hf = tiny_hf_checkpoint
     jobs = [
         job(hf, random_tp2, str(tmp_path / "tp2"), parallel={"tp": 2, "sequence_parallel": True},
-            rollout={"weight_sync": "tensor", "sglang_gpus_per_server": 2,
+            rollout={"weight_sync": "tensor", "tensor_sync_format": "direct",
+                     "sglang_gpus_per_server": 2,
                      "return_routes": True}, replay={"mode": "r3"}),
         job(hf, deterministic, str(tmp_path / "pp2"), parallel={"pp": 2},
             rollout={"weight_sync": "distributed", "sglang_gpus_per_server": 1,

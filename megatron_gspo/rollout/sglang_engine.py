@@ -198,8 +198,9 @@ class SyncStats:
 
     mode: str
     tensors: int  # HF tensors
-    # Bytes the trainer sent: the HF tensors for disk and distributed (one broadcast reaches every
-    # server rank); for tensor, the payloads of all TP ranks of one server.
+    # Bytes the trainer sent: the HF tensors for disk, distributed (one broadcast reaches every
+    # server rank) and tensor with hf payloads (one payload repeated per TP rank); for tensor with
+    # direct payloads, the shards of all TP ranks of one server.
     bytes: int
     buckets: int
     seconds: float
@@ -371,11 +372,12 @@ class SGLangEngine:
         i). With a ``direct`` layout, rank i's holds only its own shards, made from the bucket
         one rank at a time (CUDA tensors travel as IPC handles and stay alive until the call
         returns); else each holds the bucket's full HF tensors, which the rank shards as it
-        loads them. Returns the bytes of tensors sent to one server."""
+        loads them. Returns the bytes of the tensors serialized for one server (``hf``: the
+        bucket once, the same payload going to every rank)."""
         if self.direct is None:
             blob = serialize_named_tensors(named_tensors)
             entries, load_format = [blob] * self.server_tp, None
-            sent = self.server_tp * sum(t.numel() * t.element_size() for _, t in named_tensors)
+            sent = sum(t.numel() * t.element_size() for _, t in named_tensors)
         else:
             hf, entries, alive, sent = dict(named_tensors), [], [], 0
             for rank in range(self.server_tp):
@@ -404,7 +406,11 @@ class SGLangEngine:
         come to rank 0 straight from their device), sent ``mode="distributed"`` (broadcast over
         ``group`` from ``init_weights_update_group``), ``"tensor"`` (colocated servers) or
         ``"disk"`` (a checkpoint in ``disk_dir``, one shard per bucket, that the servers must be
-        able to read; for debugging). Rank 0 returns what was sent, the others None."""
+        able to read; for debugging). With a ``direct`` layout a bucket holds at least one whole
+        SGLang parameter (a layer's q/k/v, or its experts' gate and up weights), so where one is
+        larger than ``bucket_bytes`` (a Qwen3-30B-A3B layer's experts: 805 MB in bf16) the extra
+        memory is about twice that parameter instead of two buckets. Rank 0 returns what was
+        sent, the others None."""
         from megatron_gspo.hf_qwen3moe import ShardWriter, hf_config_from_model, iter_hf_buckets
 
         if mode not in ("disk", "distributed", "tensor"):

@@ -15,7 +15,11 @@ checks that they agree, and prints the median times and their ratio:
 - expert weights in generation: stacking every layer's expert weights in each forward vs once per
   generation (``grouped_experts.cached_expert_weights``), over the forwards of one rollout;
 - entropy: log-probs and entropy forward + backward with the entropy in the loss vs kept as a
-  metric only (``entropy_coef`` 0: no entropy gradient).
+  metric only (``entropy_coef`` 0: no entropy gradient);
+- RoPE: megatron-core's unfused ``apply_rotary_pos_emb`` (cos / sin, and under packing the
+  per-sequence table, made in every layer for q and k) vs ``layers.cache_rope_tables`` (made once
+  per table / micro-batch), over the 6 layers of the compute shape: one decoding step, and one
+  packed micro-batch forward + backward.
 
     python benchmarks/step_parts.py [--threads 2] [--repeats 5]
 """
@@ -171,6 +175,57 @@ def entropy(torch, repeats, vocab):
             timed(run(False), repeats), timed(run(True), repeats))
 
 
+def rope(torch, repeats, packed):
+    import torch.distributed as dist
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_gspo import layers
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29611")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    cp = dist.new_group([0])
+    config = TransformerConfig(num_layers=6, hidden_size=256, num_attention_heads=8)
+    layers.cache_rope_tables()
+    inv = 1.0 / (10000 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32))
+    g = torch.Generator().manual_seed(0)
+    if packed:  # 32 sequences of 20-40 tokens, q and k of 6 layers, forward + backward
+        lengths = torch.randint(20, 41, (32,), generator=g)
+        total = int(lengths.sum())
+        q0, k0 = torch.randn(total, 8, 32, generator=g), torch.randn(total, 4, 32, generator=g)
+    else:  # one decoding step of 128 rows at position 30
+        q0, k0 = torch.randn(1, 128, 8, 32, generator=g), torch.randn(1, 128, 4, 32, generator=g)
+
+    def run(fn):
+        def go():
+            # A new table and a new micro-batch each time, as each step / micro-batch brings.
+            table = torch.outer(torch.arange(64, dtype=torch.float32), inv)
+            table = torch.cat([table, table], -1)[:, None, None, :]
+            kw = {"cp_group": cp}
+            if packed:
+                kw["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.int32),
+                                              lengths.cumsum(0).to(torch.int32)])
+                freqs = table[:41]
+            else:
+                freqs = table[30:31]
+            q, k = q0.clone().requires_grad_(packed), k0.clone().requires_grad_(packed)
+            outs = [fn(t, freqs, config, **kw) for _ in range(6) for t in (q, k)]
+            if packed:
+                sum(o.sum() for o in outs).backward()
+                return torch.cat([q.grad.flatten(), k.grad.flatten()])
+            return torch.cat([o.flatten() for o in outs])
+        return go
+
+    assert torch.equal(run(rope_utils.apply_rotary_pos_emb)(), run(attention.apply_rotary_pos_emb)())
+    name = (f"RoPE, packed micro-batch of 32 sequences ({q0.shape[0]} tokens), 6 layers, fwd+bwd"
+            if packed else "RoPE, one decoding step of 128 rows, 6 layers")
+    return (name, timed(run(rope_utils.apply_rotary_pos_emb), repeats),
+            timed(run(attention.apply_rotary_pos_emb), repeats))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--threads", type=int, default=2)
@@ -184,7 +239,8 @@ def main() -> None:
             adam(torch, args.repeats, 1_000_000, 95), adam(torch, args.repeats, 19_000_000, 238),
             nonfinite(torch, args.repeats), seeded_sampling(torch, args.repeats, 128),
             seeded_sampling(torch, args.repeats, 151936), expert_stack(torch, args.repeats),
-            entropy(torch, args.repeats, 32768)]
+            entropy(torch, args.repeats, 32768), rope(torch, args.repeats, False),
+            rope(torch, args.repeats, True)]
     print(f"{args.threads} threads, median of {args.repeats} (ms); before = the replaced code")
     print(f"{'part':72s} {'before':>9s} {'after':>9s} {'speed-up':>9s}")
     for name, before, after in rows:

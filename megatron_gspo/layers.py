@@ -230,3 +230,88 @@ def context_parallel_disabled(gpt):
             a.context_parallel = True
         for r, group in zip(ropes, saved):
             r.cp_group = group
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE without Transformer Engine: cos / sin computed once per table, not per layer and tensor.
+# ---------------------------------------------------------------------------------------------
+
+def _kept(owner: torch.Tensor, key: tuple, make):
+    """``make()``, kept on ``owner`` (a tensor living as long as the value is valid: RoPE's table,
+    or a micro-batch's ``cu_seqlens``) under ``key``; at most 8 values per owner."""
+    cache = getattr(owner, "_rope_kept", None)
+    if cache is None:
+        cache = owner._rope_kept = {}
+    value = cache.get(key)
+    if value is None:
+        while len(cache) >= 8:
+            cache.pop(next(iter(cache)))
+        value = cache[key] = make()
+    return value
+
+
+def _table_key(freqs: torch.Tensor, dtype) -> tuple:
+    # A view shares its base's version counter: an in-place change of the table shows here.
+    return (freqs.data_ptr(), tuple(freqs.shape), tuple(freqs.stride()), freqs._version, dtype)
+
+
+def _cos_sin(freqs: torch.Tensor, dtype) -> tuple:
+    """Megatron's ``(cos(freqs) * mscale).to(dtype)`` and likewise sin (mscale 1), made once per
+    table and dtype (the table's base tensor keeps them; decoding slices it per step)."""
+    owner = freqs if freqs._base is None else freqs._base
+    return _kept(owner, ("cos_sin",) + _table_key(freqs, dtype),
+                 lambda: ((torch.cos(freqs) * 1.0).to(dtype), (torch.sin(freqs) * 1.0).to(dtype)))
+
+
+def _packed_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, dtype) -> tuple:
+    """cos / sin of Megatron's packed (THD) table without context parallelism: each sequence's
+    positions from 0, or, when the table covers every packed token, their place in the pack;
+    made once per micro-batch (its ``cu_seqlens`` keeps them)."""
+    def make():
+        total = int(cu_seqlens[-1])
+        if freqs.size(0) == total:
+            packed = freqs[:total]
+        else:
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+            index = torch.cat([torch.arange(n) for n in lengths]).to(freqs.device)
+            packed = freqs[index]
+        return _cos_sin(packed, dtype)
+
+    return _kept(cu_seqlens, ("packed",) + _table_key(freqs, dtype) + (cu_seqlens._version,), make)
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Megatron's unfused, non-interleaved rotation ``t * cos + rotate_half(t) * sin`` (the same
+    operations in the same order: the same values), dims past the table's passed through."""
+    rot = cos.shape[-1]
+    if t.shape[-1] != rot:
+        return torch.cat((_rotate(t[..., :rot], cos, sin), t[..., rot:]), dim=-1)
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    return (t * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
+
+
+def cache_rope_tables() -> None:
+    """megatron-core's unfused RoPE (no Transformer Engine) computes cos and sin of the table and
+    builds the packed table sequence by sequence for every layer and for q and k (about 0.24 s
+    of a 24-token rollout of the 6-layer benchmark model). Attention's ``apply_rotary_pos_emb``
+    now takes them from a cache kept on the table (and on the micro-batch's ``cu_seqlens`` when
+    packed); everything it does not cover (fusion, interleaving, MLA, an mscale, context
+    parallelism under packing) goes to megatron's function. Idempotent."""
+    from megatron.core.transformer import attention
+
+    if getattr(attention.apply_rotary_pos_emb, "_tables_cached", False):
+        return
+    original = attention.apply_rotary_pos_emb
+
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
+        if (config.apply_rope_fusion or config.rotary_interleaved or config.multi_latent_attention
+                or mscale != 1.0 or freqs.requires_grad
+                or (cu_seqlens is not None and (cp_group is None or cp_group.size() > 1))):
+            return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale,
+                            cp_group=cp_group)
+        if cu_seqlens is None:
+            return _rotate(t, *_cos_sin(freqs, t.dtype))
+        return _rotate(t.unsqueeze(1), *_packed_cos_sin(freqs, cu_seqlens, t.dtype)).squeeze(1)
+
+    apply_rotary_pos_emb._tables_cached = True
+    attention.apply_rotary_pos_emb = apply_rotary_pos_emb

@@ -11,7 +11,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_gspo import cpu_backend, router_losses, te
+from megatron_gspo import cpu_backend, layers, router_losses, te
 from megatron_gspo.grouped_experts import GroupedSequentialMLP
 from megatron_gspo.layers import RMSNorm, SDPAttention
 from megatron_gspo.config import ModelConfig
@@ -114,6 +114,7 @@ def build_model(model: ModelConfig, ctx: ParallelContext, *, use_grouped_experts
     """This rank's ``GPTModel`` (its pipeline stage, TP shard and local experts), on ctx.device.
     ``use_grouped_experts`` overrides ``model.grouped_experts``."""
     config = transformer_config(model, ctx, **config_overrides)
+    layers.cache_rope_tables()
     if model.router_expert_bias:
         router_losses.fix_expert_bias_padding()
     if model.is_moe:

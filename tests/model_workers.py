@@ -234,3 +234,57 @@ def packed_vs_padded_job(hf_dir, parallel_kwargs, sequences):
     if packed_logp is None:
         return None
     return packed_logp[packed.valid_N], torch.cat(padded)
+
+
+def rope_cache_job():
+    """``layers.cache_rope_tables``' RoPE against megatron-core's own ``apply_rotary_pos_emb``
+    (padded and packed, decoding slices, a partial rotary dim; values and gradients), on a real
+    one-rank context-parallel group; returns what matched."""
+    import torch.distributed as dist
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_gspo import layers
+
+    dist.init_process_group("gloo", init_method="env://")
+    cp = dist.new_group([0])
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+    layers.cache_rope_tables()
+    ours, theirs = attention.apply_rotary_pos_emb, rope_utils.apply_rotary_pos_emb
+    g = torch.Generator().manual_seed(5)
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    table = torch.outer(torch.arange(40, dtype=torch.float32), inv)
+    table = torch.cat([table, table], -1)[:, None, None, :]  # [40, 1, 1, 16], as RoPE makes it
+
+    def both(t, freqs, **kw):
+        kw.setdefault("cp_group", cp)
+        a, b = t.clone().requires_grad_(), t.clone().requires_grad_()
+        out_a, out_b = ours(a, freqs, config, **kw), theirs(b, freqs, config, **kw)
+        w = torch.randn(out_a.shape, generator=g)
+        (out_a * w).sum().backward()
+        (out_b * w).sum().backward()
+        return torch.equal(out_a, out_b) and torch.equal(a.grad, b.grad)
+
+    out = {}
+    out["padded"] = both(torch.randn(12, 3, 4, 16, generator=g), table[:12])
+    out["decoding_slices"] = all(both(torch.randn(1, 3, 4, 16, generator=g), table[s:s + 1])
+                                 for s in (12, 13, 12))  # the same slice twice: from the cache
+    out["partial_rotary"] = both(torch.randn(12, 3, 4, 24, generator=g), table[:12])
+    cu = torch.tensor([0, 5, 12, 13, 20], dtype=torch.int32)
+    out["packed"] = both(torch.randn(20, 4, 16, generator=g), table, cu_seqlens=cu)
+    out["packed_table_of_the_pack"] = both(torch.randn(20, 4, 16, generator=g), table[:20],
+                                           cu_seqlens=cu)
+    out["mscale_passed_on"] = both(torch.randn(12, 3, 4, 16, generator=g), table[:12],
+                                   mscale=0.7)
+    # The table's cos / sin are kept on it and remade after an in-place change of the table.
+    root = table if table._base is None else table._base  # slices keep their base's values
+    kept = len(root._rope_kept)
+    before = ours(torch.ones(2, 1, 1, 16), table[:2], config, cp_group=cp)
+    table.mul_(0.5)
+    after = ours(torch.ones(2, 1, 1, 16), table[:2], config, cp_group=cp)
+    out["cached"] = kept >= 3
+    out["remade_after_change"] = (not torch.equal(before, after) and torch.equal(
+        after, theirs(torch.ones(2, 1, 1, 16), table[:2], config, cp_group=cp)))
+    dist.destroy_process_group()
+    return out

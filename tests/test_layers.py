@@ -56,3 +56,12 @@ def test_packed_causal_attention_equals_each_sequence_alone_with_gradients():
     reference = grads(alone)
     for a, b in zip(ours, reference):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # fp32 rounding, not masking
+
+
+def test_cached_rope_equals_megatrons():
+    """RoPE with cos / sin kept per table gives megatron-core's values and gradients bitwise."""
+    from tests.distributed import run_ranks
+    from tests.model_workers import rope_cache_job
+
+    seen = run_ranks(rope_cache_job, 1)[0]
+    assert seen == {k: True for k in seen} and len(seen) == 8, seen

@@ -233,7 +233,7 @@ def context_parallel_disabled(gpt):
 
 
 # ---------------------------------------------------------------------------------------------
-# RoPE without Transformer Engine: cos / sin computed once per table, not per layer and tensor.
+# Unfused RoPE: cos / sin computed once per table, not per layer and tensor.
 # ---------------------------------------------------------------------------------------------
 
 def _kept(owner: torch.Tensor, key: tuple, make):
@@ -250,23 +250,30 @@ def _kept(owner: torch.Tensor, key: tuple, make):
     return value
 
 
-def _table_key(freqs: torch.Tensor, dtype) -> tuple:
-    # A view shares its base's version counter: an in-place change of the table shows here.
-    return (freqs.data_ptr(), tuple(freqs.shape), tuple(freqs.stride()), freqs._version, dtype)
-
-
 def _cos_sin(freqs: torch.Tensor, dtype) -> tuple:
-    """Megatron's ``(cos(freqs) * mscale).to(dtype)`` and likewise sin (mscale 1), made once per
-    table and dtype (the table's base tensor keeps them; decoding slices it per step)."""
+    """Megatron's ``(cos(freqs) * mscale).to(dtype)`` and likewise sin (mscale 1). For a view of
+    a contiguous table (decoding slices it per step) they are views of the whole table's cos /
+    sin, made once per table, version and dtype and kept on it (cos and sin are elementwise: the
+    same values as computed on the slice)."""
+    def of(t):
+        return (torch.cos(t) * 1.0).to(dtype), (torch.sin(t) * 1.0).to(dtype)
+
     owner = freqs if freqs._base is None else freqs._base
-    return _kept(owner, ("cos_sin",) + _table_key(freqs, dtype),
-                 lambda: ((torch.cos(freqs) * 1.0).to(dtype), (torch.sin(freqs) * 1.0).to(dtype)))
+    if not owner.is_contiguous() or owner.dtype != freqs.dtype:
+        return of(freqs)
+    cos, sin = _kept(owner, ("table", owner.dtype, owner._version, dtype), lambda: of(owner))
+    if freqs is owner:
+        return cos, sin
+    at = freqs.storage_offset() - owner.storage_offset()
+    return (cos.as_strided(freqs.shape, freqs.stride(), at),
+            sin.as_strided(freqs.shape, freqs.stride(), at))
 
 
 def _packed_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, dtype) -> tuple:
     """cos / sin of Megatron's packed (THD) table without context parallelism: each sequence's
     positions from 0, or, when the table covers every packed token, their place in the pack;
-    made once per micro-batch (its ``cu_seqlens`` keeps them)."""
+    made once per micro-batch (its ``cu_seqlens`` keeps them, with the table, so that no other
+    table can take its memory and its key while they are kept)."""
     def make():
         total = int(cu_seqlens[-1])
         if freqs.size(0) == total:
@@ -275,9 +282,11 @@ def _packed_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, dtype) -> tup
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
             index = torch.cat([torch.arange(n) for n in lengths]).to(freqs.device)
             packed = freqs[index]
-        return _cos_sin(packed, dtype)
+        return (freqs,) + _cos_sin(packed, dtype)
 
-    return _kept(cu_seqlens, ("packed",) + _table_key(freqs, dtype) + (cu_seqlens._version,), make)
+    key = ("packed", freqs.data_ptr(), freqs.dtype, tuple(freqs.shape), tuple(freqs.stride()),
+           freqs._version, cu_seqlens._version, dtype)
+    return _kept(cu_seqlens, key, make)[1:]
 
 
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -291,12 +300,15 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def cache_rope_tables() -> None:
-    """megatron-core's unfused RoPE (no Transformer Engine) computes cos and sin of the table and
-    builds the packed table sequence by sequence for every layer and for q and k (about 0.24 s
-    of a 24-token rollout of the 6-layer benchmark model). Attention's ``apply_rotary_pos_emb``
+    """megatron-core's unfused RoPE (``apply_rope_fusion`` off, as this project's layer spec
+    sets it) computes cos and sin of the table, and under packing builds the packed table
+    sequence by sequence, in every layer for q and for k. Attention's ``apply_rotary_pos_emb``
     now takes them from a cache kept on the table (and on the micro-batch's ``cu_seqlens`` when
-    packed); everything it does not cover (fusion, interleaving, MLA, an mscale, context
-    parallelism under packing) goes to megatron's function. Idempotent."""
+    packed). Everything else goes to megatron's function: fusion, interleaving, MLA, an mscale,
+    context parallelism under packing, inference-mode tensors (no version counter), a table
+    wider than the heads. The cache trusts in-place changes of a table to bump its version
+    counter (writes through ``.data`` or by a collective do not; megatron never changes a table
+    in place). Idempotent."""
     from megatron.core.transformer import attention
 
     if getattr(attention.apply_rotary_pos_emb, "_tables_cached", False):
@@ -305,8 +317,10 @@ def cache_rope_tables() -> None:
 
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
         if (config.apply_rope_fusion or config.rotary_interleaved or config.multi_latent_attention
-                or mscale != 1.0 or freqs.requires_grad
-                or (cu_seqlens is not None and (cp_group is None or cp_group.size() > 1))):
+                or mscale != 1.0 or freqs.requires_grad or freqs.shape[-1] > t.shape[-1]
+                or torch.is_inference_mode_enabled() or freqs.is_inference()
+                or (cu_seqlens is not None and (cp_group is None or cp_group.size() > 1
+                                                or cu_seqlens.is_inference()))):
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale,
                             cp_group=cp_group)
         if cu_seqlens is None:

@@ -350,9 +350,10 @@ def _rope_cp_active() -> bool:
 def _is_shard(shard: torch.Tensor, full: torch.Tensor, group) -> bool:
     """``shard`` is this rank's contiguous slice of ``full`` (as DDP's bucket views are)."""
     size = group.size()
+    offset = group.rank() * shard.numel() * shard.element_size()
     return (shard.is_contiguous() and full.is_contiguous() and shard.dtype == full.dtype
             and shard.numel() * size == full.numel()
-            and shard.data_ptr() == full.data_ptr() + group.rank() * shard.numel() * shard.element_size())
+            and shard.data_ptr() == full.data_ptr() + offset)
 
 
 def _allreduce_now(tensor: torch.Tensor, group) -> None:
@@ -412,7 +413,8 @@ def _gloo_collectives_apply() -> None:
     and 104 ms per all-gather, against 0.1 ms for an eager all-reduce: every update paid both.
     Over gloo groups with DDP's layout (this rank's shard a view of the bucket) they become one
     all-reduce of the bucket, issued at once; anything else (NCCL, async, other ops) goes to
-    torch's ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` as before. The collective still runs on a group of one rank."""
+    torch's ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` as before. The collective
+    still runs on a group of one rank."""
     from megatron.core.distributed import param_and_grad_buffer as pgb
 
     pgb.dist_reduce_scatter_func = _gloo_reduce_scatter

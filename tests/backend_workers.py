@@ -82,18 +82,18 @@ def gloo_bucket_collectives():
         grads = [torch.randn(size * 5, generator=g), torch.randn(size * 3, generator=g)]
         params = [torch.randn(size * 4, generator=g), torch.randn(size * 2, generator=g)]
         ref_g, ref_p = [t.clone() for t in grads], [t.clone() for t in params]
-        with _coalescing_manager(group):
-            for t in ref_g:
-                dist.reduce_scatter_tensor(t.view(size, -1)[group.rank()], t, group=group)
-        with _coalescing_manager(group):
-            for t in ref_p:
-                dist.all_gather_into_tensor(t, t.view(size, -1)[group.rank()], group=group)
-        with _coalescing_manager(group):
-            for t in grads:
-                cpu_backend._gloo_reduce_scatter(t.view(size, -1)[group.rank()], t, group=group)
-        with _coalescing_manager(group):
-            for t in params:
-                cpu_backend._gloo_all_gather(t, t.view(size, -1)[group.rank()], group=group)
+
+        def buckets(collective, tensors, shard_out):
+            """``collective`` on each bucket and its shard view, as DDP calls it."""
+            with _coalescing_manager(group):
+                for t in tensors:
+                    mine = t.view(size, -1)[group.rank()]
+                    collective(*((mine, t) if shard_out else (t, mine)), group=group)
+
+        buckets(dist.reduce_scatter_tensor, ref_g, True)
+        buckets(dist.all_gather_into_tensor, ref_p, False)
+        buckets(cpu_backend._gloo_reduce_scatter, grads, True)
+        buckets(cpu_backend._gloo_all_gather, params, False)
         shard = [t.view(size, -1)[group.rank()] for t in grads]
         out[name] = {
             "reduce_scatter_equal": all(torch.equal(a, b.view(size, -1)[group.rank()])

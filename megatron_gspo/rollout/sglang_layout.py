@@ -74,24 +74,23 @@ class ServerLayout:
 
     def __post_init__(self):
         m, tp, ep, kv = self.m, self.tp, self.ep, self.m.num_query_groups
-        dense = not all(self.m.moe_layer_pattern)
-        checks = [  # lazily: a later check may divide by what an earlier one checks
-            (lambda: tp >= 1 and ep >= 1 and tp % ep == 0, f"tp={tp} must be a multiple of ep={ep}"),
-            (lambda: m.num_attention_heads % tp == 0,
-             f"{m.num_attention_heads} attention heads do not split over tp={tp}"),
-            (lambda: (tp % kv == 0) if tp >= kv else (kv % tp == 0),
-             f"{kv} KV heads do not split over (or replicate to) tp={tp}"),
-            (lambda: m.num_experts % ep == 0, f"{m.num_experts} experts do not split over ep={ep}"),
-            (lambda: m.moe_ffn_hidden_size % self.moe_tp == 0,
-             f"expert width {m.moe_ffn_hidden_size} does not split over moe_tp=tp/ep"),
-            (lambda: not dense or m.ffn_hidden_size % tp == 0,
-             f"dense width {m.ffn_hidden_size} does not split over tp={tp}"),
-            (lambda: self.vocab_padded % tp == 0,
-             f"padded vocabulary {self.vocab_padded} does not split over tp={tp}"),
-        ]
-        for ok, why in checks:
-            if not ok():
+
+        def need(ok: bool, why: str) -> None:
+            if not ok:
                 raise ValueError(f"SGLang server layout: {why}")
+
+        need(tp >= 1 and ep >= 1 and tp % ep == 0, f"tp={tp} must be a multiple of ep={ep}")
+        need(m.num_attention_heads % tp == 0,
+             f"{m.num_attention_heads} attention heads do not split over tp={tp}")
+        need((tp % kv == 0) if tp >= kv else (kv % tp == 0),
+             f"{kv} KV heads do not split over (or replicate to) tp={tp}")
+        need(m.num_experts % ep == 0, f"{m.num_experts} experts do not split over ep={ep}")
+        need(m.moe_ffn_hidden_size % self.moe_tp == 0,
+             f"expert width {m.moe_ffn_hidden_size} does not split over moe_tp=tp/ep")
+        need(all(m.moe_layer_pattern) or m.ffn_hidden_size % tp == 0,
+             f"dense width {m.ffn_hidden_size} does not split over tp={tp}")
+        need(self.vocab_padded % tp == 0,
+             f"padded vocabulary {self.vocab_padded} does not split over tp={tp}")
 
     @property
     def moe_tp(self) -> int:

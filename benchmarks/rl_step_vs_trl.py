@@ -226,9 +226,33 @@ def run_trl(args) -> dict:
         dataloader_num_workers=0, log_completions=False)
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=cfg, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[RLStepClock()])
+    # Per phase, as ours reports them: generation (``_generate``) and the old policy's log-probs
+    # (the forward-only ``_get_per_token_logps_and_entropies``) are timed where TRL calls them;
+    # the update is the rest of the step.
+    spent = {"rollout": [], "old_logprobs": []}
+
+    def timed(phase, fn, only_no_grad=False):
+        def wrapper(*a, **kw):
+            if only_no_grad and torch.is_grad_enabled():
+                return fn(*a, **kw)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[phase].append(time.perf_counter() - t0)
+        return wrapper
+
+    trainer._generate = timed("rollout", trainer._generate)
+    trainer._get_per_token_logps_and_entropies = timed(
+        "old_logprobs", trainer._get_per_token_logps_and_entropies, only_no_grad=True)
     trainer.train()
     times = [b - a for a, b in zip(boundaries, boundaries[1:])]
-    return {"step_times": times, "gen_tokens": gen_tokens[:len(times)],
+    phases = {}
+    if len(spent["rollout"]) >= len(times) and len(spent["old_logprobs"]) >= len(times):
+        rollout, old = spent["rollout"][:len(times)], spent["old_logprobs"][:len(times)]
+        phases = {"rollout": rollout, "old_logprobs": old,
+                  "update": [t - r - o for t, r, o in zip(times, rollout, old)]}
+    return {"step_times": times, "gen_tokens": gen_tokens[:len(times)], "phases": phases,
             "attn": model.config._attn_implementation,
             "experts": getattr(model.config, "_experts_implementation", None)}
 
@@ -324,6 +348,10 @@ def main() -> None:
         ratio = f"{base['median_s'] / r['median_s']:7.2f}x" if base else f"{'-':>8s}"
         print(f"{path:5s} {r['median_s']:13.3f} {ratio} {r['first_s']:8.2f} {r['tok_per_s']:10.0f} "
               f"{r['mean_len'] / batch:9.2f} {r['steps_timed']:6d} {r['wall_s']:7.1f}")
+    if extra.get("trl", {}).get("phases"):
+        trl_phases = {k: statistics.median(v[1:]) for k, v in extra["trl"]["phases"].items()}
+        print("trl, median s per phase: " + ", ".join(f"{k} {v:.3f}" for k, v in trl_phases.items())
+              + " (update: the step's rest)")
     if "ours" in extra:
         phases = extra["ours"]["phases_s"]
         print("ours, median s per phase: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items())

@@ -72,14 +72,17 @@ class DriftProbe:
         return Layout.packed_rows(rows, [int(batch.lengths_B[i]) for i in rows], length=longest,
                                   **shape)
 
+    def reads_old_pass(self, batch) -> bool:
+        """Whether the probe takes the old-policy pass's first forward (padded rows, natural
+        routes: its rows are the probed ones) rather than a forward of its own."""
+        return batch.layouts is None and self.job.replay.mode in ("none", "r2")
+
     def before_updates(self, run, batch, routes, step: int) -> dict:
         """Routes of the probed rows on the old policy; rollout/train drift and load. Padding
         positions are left out of every measure."""
         layout = self._probe(batch)
         self._mbs = [micro_batch(batch, layout, run.tokenizer.pad_id)]
-        reuse = (batch.layouts is None and routes
-                 and self.job.replay.mode in ("none", "r2"))  # the old pass's first forward
-        if reuse:
+        if routes and self.reads_old_pass(batch):
             before, self._logp = routes[:1], layout.gather(batch.recomputed_logp_BS)
         else:
             self._logp, before = self._natural(run, self._mbs)

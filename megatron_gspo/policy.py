@@ -49,10 +49,16 @@ def logprob_pass(model, mbs: list[MicroBatch], ctx: ParallelContext, *, temperat
         out = forward_backward(model, mbs, ctx, loss_fn, forward_only=True)
     if record and targets is None:
         routes = recorded.forwards
-    # This rank's share of every micro-batch, flat: one broadcast from the last stage, one
-    # all-gather over the context-parallel ranks (their shares are equal in size).
+    return on_every_rank([o["logp"] for o in out], mbs, ctx), routes
+
+
+def on_every_rank(values: list, mbs: list[MicroBatch], ctx: ParallelContext) -> list:
+    """Per-token values of every micro-batch, computed on the last stage (``values``: one per
+    micro-batch there, this context-parallel rank's share; empty elsewhere), as host tensors of
+    the micro-batches' whole shape on every rank: one broadcast from the last stage, one
+    all-gather over the context-parallel ranks (their shares are equal in size)."""
     shapes = [(mb.tokens_BS.shape[0], mb.cp_index(ctx.cp, ctx.cp_rank).numel()) for mb in mbs]
-    flat = (torch.cat([o["logp"].reshape(-1) for o in out]) if out
+    flat = (torch.cat([v.reshape(-1).float() for v in values]).to(ctx.device) if values
             else torch.zeros(sum(b * c for b, c in shapes), device=ctx.device))
     comm.broadcast_tensor(flat, src_in_group=ctx.pp - 1, group=ctx.pp_group)
     parts = [torch.empty_like(flat) for _ in range(ctx.cp)]
@@ -65,7 +71,7 @@ def logprob_pass(model, mbs: list[MicroBatch], ctx: ParallelContext, *, temperat
             full[:, mb.cp_index(ctx.cp, rank)] = part[at:at + b * c].reshape(b, c)
         values.append(full)
         at += b * c
-    return values, routes
+    return values
 
 
 @dataclass
@@ -104,30 +110,41 @@ def combine_over_data_parallel(metrics: dict, algo: str, ctx: ParallelContext) -
 
 def policy_update(ddp, optimizer, mbs: list[MicroBatch], ctx: ParallelContext, algo: AlgoConfig, *,
                   temperature: float, normalizer: float, guard: NonFiniteGuard, where: str,
-                  replay=None, targets=None, inject_nan: bool = False) -> UpdateResult:
+                  replay=None, targets=None, inject_nan: bool = False,
+                  on_policy: bool = False) -> UpdateResult:
     """One optimizer update on a mini-batch: the policy loss on every micro-batch (routes replayed
     from ``targets`` under R2 / R3), then the step, skipped on every rank if anything is
     non-finite. ``normalizer`` is the mini-batch's global count of sequences (or tokens, for
     token_mean) over every data-parallel rank, so that each rank's loss is its share of the
     mini-batch loss; the gradient is scaled by dp against DDP's average over the ranks.
-    Sequence-level statistics are completed over the context-parallel group (O(sequences))."""
+    Sequence-level statistics are completed over the context-parallel group (O(sequences)).
+
+    ``on_policy``: the weights are still the behaviour policy's (the step's first mini-batch),
+    so the behaviour log-probs are this forward's own, detached (the ratio is exactly 1), and
+    the micro-batches' ``old_logp_BS`` are not read; they are returned in
+    ``extra["old_logp"]`` (as ``logprob_pass`` returns them), which spares their own pass."""
     options = algo.loss_options()
     reducer = SequenceReducer(ctx.cp_group)
+    behaviour = []  # on_policy: each micro-batch's detached log-probs (last stage)
 
     def loss_fn(mb, logits):
         logp, ent = token_logprobs(logits, mb.targets_BS, group=ctx.tp_group, temperature=temperature,
                                    with_entropy=True)
+        old = mb.old_logp_BS
+        if on_policy:
+            old = logp.detach()
+            behaviour.append(old.float())
         if not options.get("entropy_coef"):
             ent = ent.detach()  # a metric only: no entropy gradient to compute in the backward
         kwargs = dict(clip_low=algo.clip_low, clip_high=algo.clip_high, normalizer=normalizer,
                       reducer=reducer, **options)
         if mb.packed:  # the row's segments are the sequences
-            shard = TokenShard.from_packed(logp, mb.old_logp_BS, mb.advantages_B, mb.loss_mask_BS,
+            shard = TokenShard.from_packed(logp, old, mb.advantages_B, mb.loss_mask_BS,
                                            mb.seq_BS, mb.num_seqs, ref_logp_1N=mb.ref_logp_BS,
                                            entropy_1N=ent)
             loss, metrics = shard_policy_loss(algo.name, shard, **kwargs)
         else:
-            loss, metrics = policy_loss(algo.name, logp, mb.old_logp_BS, mb.advantages_B,
+            loss, metrics = policy_loss(algo.name, logp, old, mb.advantages_B,
                                         mb.loss_mask_BS, ref_logprobs=mb.ref_logp_BS, entropy=ent,
                                         **kwargs)
         return loss * ctx.dp, metrics
@@ -137,6 +154,7 @@ def policy_update(ddp, optimizer, mbs: list[MicroBatch], ctx: ParallelContext, a
     cm = replay.replay(targets) if targets is not None else contextlib.nullcontext()
     with cm:
         out = forward_backward(ddp, mbs, ctx, loss_fn, aux_mask=True)
+    extra = {"old_logp": on_every_rank(behaviour, mbs, ctx)} if on_policy else {}
     metrics = last_stage_metrics(out, ctx, functools.partial(combine_metrics, algo.name))
     metrics = combine_over_data_parallel(metrics, algo.name, ctx)
     metrics["policy_loss"] = metrics["loss"]
@@ -148,10 +166,10 @@ def policy_update(ddp, optimizer, mbs: list[MicroBatch], ctx: ParallelContext, a
     if not guard.check(finite, where):
         zero_grads(ddp, optimizer)
         return UpdateResult(metrics, float("nan"), False,
-                            extra={"cp_values_sent": reducer.values_sent})
+                            extra={"cp_values_sent": reducer.values_sent, **extra})
     _, grad_norm, _ = optimizer.step()
     return UpdateResult(metrics, float(grad_norm) if grad_norm is not None else 0.0, True,
-                        extra={"cp_values_sent": reducer.values_sent})
+                        extra={"cp_values_sent": reducer.values_sent, **extra})
 
 
 def _grad_buffers(ddp) -> list:

@@ -319,27 +319,46 @@ def _unpack(batch, layouts, values: list) -> torch.Tensor:
     return out
 
 
+def reuses_first_minibatch(run: Run, batch) -> bool:
+    """Whether the first mini-batch's behaviour log-probs come from its own update's forward
+    (exactly the old policy's: no update has happened yet) instead of the old-policy pass. Not
+    when something reads the pass on those rows before the updates: R2 (replays its routes),
+    the drift probe when it takes the pass's first forward, rollout correction; nor with
+    engine log-probs (no pass at all)."""
+    a = run.job.algo
+    return (a.old_logprobs == "recompute" and run.job.replay.mode != "r2"
+            and a.rollout_correction == "none"
+            and (run.drift is None or not run.drift.reads_old_pass(batch)))
+
+
 def old_logprobs(run: Run, batch):
     """Behaviour log-probs of the whole batch on the current (old) policy, and the routes of
     each micro-batch's forward (recorded; or under R3, the engine's, replayed), in the order
-    the updates consume them."""
+    the updates consume them. When ``reuses_first_minibatch``, the pass skips the first
+    mini-batch, whose rows the first update fills in (``batch.on_policy_layouts``)."""
     job = run.job
-    layouts = [layout for per_k in _layouts(run, batch) for layout in per_k]
+    per_k = _layouts(run, batch)
+    layouts = [layout for per in per_k for layout in per]
     mbs = _micro_batches(run, batch, layouts)
     temp = job.rollout.temperature
     routes = None
     if job.algo.old_logprobs == "engine" and job.replay.mode == "none" and run.drift is None:
         batch.old_logp_BS = batch.engine_logp_BS.clone()
     else:
+        skip = len(per_k[0]) if reuses_first_minibatch(run, batch) else 0
         r3 = _targets(run, batch, layouts) if job.replay.mode == "r3" else None
         record = run.replay is not None and r3 is None
-        logp, routes = logprob_pass(run.ddp, mbs, run.ctx, temperature=temp, replay=run.replay,
-                                    record=record, targets=r3)
-        logp = _unpack(batch, layouts, logp)
+        logp = []
+        if skip < len(mbs):
+            logp, routes = logprob_pass(run.ddp, mbs[skip:], run.ctx, temperature=temp,
+                                        replay=run.replay, record=record,
+                                        targets=r3[skip:] if r3 is not None else None)
+        logp = _unpack(batch, layouts[skip:], logp)
         routes = r3 if r3 is not None else routes
         batch.old_logp_BS = (batch.engine_logp_BS.clone() if job.algo.old_logprobs == "engine"
                              else logp)
         batch.recomputed_logp_BS = logp
+        batch.on_policy_layouts = per_k[0] if skip else None
     if run.ref_model is not None:
         ref, _ = logprob_pass(run.ref_model, mbs, run.ctx, temperature=temp)
         batch.ref_logp_BS = _unpack(batch, layouts, ref)
@@ -380,11 +399,16 @@ def update(run: Run, batch, routes):
         targets = routes[done:done + len(mbs)] if replaying else None
         done += len(mbs)
         run.updates += 1
+        on_policy = k == 0 and batch.on_policy_layouts is not None
         result = policy_update(
             run.ddp, run.optimizer, mbs, run.ctx, job.algo, temperature=job.rollout.temperature,
             normalizer=normalizer_for(job.algo, mbs, run.ctx), guard=run.guard,
             where=f"update {run.updates}", replay=run.replay, targets=targets,
-            inject_nan=run.updates in job.trainer.nan_at_updates)
+            inject_nan=run.updates in job.trainer.nan_at_updates, on_policy=on_policy)
+        if on_policy:  # the behaviour log-probs of the first mini-batch, from its own forward
+            for layout, values in zip(layouts, result.extra.pop("old_logp")):
+                layout.scatter(batch.old_logp_BS, values)
+                layout.scatter(batch.recomputed_logp_BS, values)
         if result.applied:
             run.scheduler.step(1)
         results.append(result)

@@ -75,3 +75,43 @@ def rl_step_job(cfg: dict) -> dict:
             "after": after[mine.mask_BS > 0], "drift": drift,
             "micro_batches": [len(per_k) for per_k in (batch.layouts or [])],
             "tokens": int(batch.lengths_B.sum())}
+
+
+def first_minibatch_job(cfg: dict) -> dict:
+    """The old-policy pass and the updates of one RL step, and for reference the old policy's
+    log-probs of every micro-batch by a pass of their own before anything changes: which
+    micro-batches the trainer's pass fed, and whether the behaviour log-probs it ends up with
+    (the first mini-batch's from its own update) are the reference's, bitwise."""
+    import torch
+
+    from megatron_gspo import trainer
+    from megatron_gspo.config import job_from_dict
+    from megatron_gspo.policy import logprob_pass
+
+    job = job_from_dict(cfg)
+    run = trainer.setup(job)
+    trainer.init_weights(run, "")
+    trainer.build_rl_optimizer(run)
+    samples, rewards = synthetic_samples(job, run.ctx.dp, run.ctx.dp_rank)
+    batch, _ = trainer.make_batch(run, samples, rewards)
+    per_k = trainer._layouts(run, batch)
+    layouts = [layout for per in per_k for layout in per]
+    mbs = trainer._micro_batches(run, batch, layouts)
+    targets = trainer._targets(run, batch, layouts) if job.replay.mode == "r3" else None
+    reference, _ = logprob_pass(run.ddp, mbs, run.ctx, temperature=1.0, replay=run.replay,
+                                targets=targets)
+    reference = trainer._unpack(batch, layouts, reference)
+    fed = []
+    hook = run.ddp.module.register_forward_pre_hook(lambda *_: fed.append(1))
+    routes = trainer.old_logprobs(run, batch)
+    hook.remove()
+    trainer.correct_for_the_engine(run, batch)
+    results, _ = trainer.update(run, batch, routes)
+    run.signals.uninstall()
+    run.scorer.close()
+    run.logger.close()
+    return {"old_pass_forwards": len(fed), "micro_batches": len(layouts),
+            "first_minibatch": len(per_k[0]),
+            "old_equal": torch.equal(batch.old_logp_BS, reference),
+            "recomputed_equal": torch.equal(batch.recomputed_logp_BS, reference),
+            "ratio": [float(r.metrics["ratio_mean"]) for r in results]}

@@ -13,7 +13,7 @@ from megatron_gspo.packing import (balanced_partition, first_fit_bins, micro_bat
                                    plan_step, round_up)
 from megatron_gspo.rl_batch import Layout
 from tests.distributed import run_layouts
-from tests.packing_workers import PACKING, rl_step_job
+from tests.packing_workers import PACKING, first_minibatch_job, rl_step_job
 from tests.trainer_workers import merge
 
 
@@ -153,3 +153,32 @@ def test_packing_balances_tokens_over_data_parallel_ranks(steps):
     tokens = [r["tokens"] for r in packed]
     longest = 29
     assert abs(tokens[0] - tokens[1]) <= 2 * longest  # two mini-batches, each within one row
+
+
+FIRST = [("gspo", "none", "padded", False), ("gspo", "none", "padded", True),
+         ("gspo", "none", "packed", True), ("grpo", "r3", "packed", True),
+         ("gspo", "r2", "packed", False)]
+
+
+@pytest.mark.parametrize("parallel", [{}, {"cp": 2}, {"pp": 2}], ids=["1", "cp2", "pp2"])
+def test_first_minibatch_behaviour_logprobs_come_from_its_update(parallel):
+    """The old-policy pass skips the first mini-batch (its update's forward is on the old policy
+    and gives its behaviour log-probs); the batch's behaviour log-probs are bitwise those of a
+    pass over every micro-batch. Nothing is skipped under R2 (which replays the pass's routes)
+    nor when the drift probe reads the pass's first forward (padded rows)."""
+    combos = FIRST if not parallel else FIRST[2:3]
+    cases = [(first_minibatch_job, (merge(PACKING, {
+        "algo": {"name": algo}, "replay": {"mode": replay},
+        "trainer": {"packing": mode == "packed"}, "logging": {"progress": False, "drift": drift},
+        "parallel": parallel, "run_dir": tempfile.mkdtemp()}),)) for algo, replay, mode, drift
+        in combos]
+    results = run_layouts(1 if not parallel else 2, cases)
+    for combo, per_rank in zip(combos, results):
+        _, replay, mode, drift = combo
+        for r in per_rank:
+            skips = replay != "r2" and not (drift and mode == "padded")
+            skipped = r["first_minibatch"] if skips else 0
+            assert r["old_pass_forwards"] == r["micro_batches"] - skipped, (combo, r)
+            assert r["first_minibatch"] >= 1 and r["micro_batches"] > r["first_minibatch"]
+            assert r["old_equal"] and r["recomputed_equal"], (combo, r)
+            assert r["ratio"][0] == 1.0, (combo, r)

@@ -2,6 +2,8 @@
 
 Prompts are left-padded to a common length; a key mask hides the padding in the prefill and in
 every decoding step (RoPE is relative, so the shift of padded rows does not change attention).
+The prefill runs each prompt once, whatever its number of samples; the rows of its samples then
+start from copies of its KV cache and last logits.
 Each step feeds one token per row and reads only the last position's logits (the prefill too:
 the static inference context materialises the last position's logits only). Rows that have finished
 leave the decoding batch (the KV cache keeps the rows still decoding). Routed experts are recorded
@@ -156,14 +158,18 @@ class LocalEngine:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(samples_per_prompt)]
-        b = len(rows)
+        b, n_prompts = len(rows), len(prompts)
         p_len = self._agree(max(len(p) for _, p in rows), b)
         s_len = p_len + params.max_new_tokens
-        tokens_BP = torch.full((b, p_len), self.pad_id, dtype=torch.long)
+        # The prefill runs each prompt once; its KV cache and last logits then go to the rows
+        # of its samples (``of_row``: the prompt of each row).
+        tokens_UP = torch.full((n_prompts, p_len), self.pad_id, dtype=torch.long)
         valid_BS = torch.zeros(b, s_len, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            tokens_UP[i, p_len - len(p):] = torch.tensor(list(p))
         for r, (_, p) in enumerate(rows):
-            tokens_BP[r, p_len - len(p):] = torch.tensor(p)
             valid_BS[r, p_len - len(p):] = True
+        of_row = torch.arange(n_prompts).repeat_interleave(samples_per_prompt)
         if row_seeds is not None:
             if len(row_seeds) != b:
                 raise ValueError(f"{len(row_seeds)} row seeds for {b} rows")
@@ -194,9 +200,10 @@ class LocalEngine:
             with recording as recorded, context_parallel_disabled(self.gpt), \
                     cached_expert_weights(self.gpt):
                 causal = torch.ones(p_len, p_len, dtype=torch.bool).tril()
-                attend = causal[None] & valid_BS[:, None, :p_len]
-                logits = self._forward(tokens_BP, torch.arange(p_len).expand(b, p_len),
+                attend = causal[None] & valid_BS[::samples_per_prompt, None, :p_len]
+                logits = self._forward(tokens_UP, torch.arange(p_len).expand(n_prompts, p_len),
                                        (~attend)[:, None], icx)
+                logits = self._to_rows(icx, logits, of_row, samples_per_prompt)
                 icx.sequence_len_offset += p_len
                 for step in range(params.max_new_tokens):
                     token, logp = self._sample(logits, params, seeds_B, batch, step)
@@ -227,7 +234,8 @@ class LocalEngine:
             if was_training:
                 self.gpt.train()
         self.decode_rows = [len(f) for f in fed]  # rows fed per decoding forward (for tests)
-        routes = self._routes(recorded.forwards, b, p_len) if self.replay is not None else None
+        routes = (self._routes(recorded.forwards, of_row, p_len) if self.replay is not None
+                  else None)
         if routes is not None and self.ctx.pp > 1:  # every stage holds its own layers' routes
             stages = [None] * self.ctx.pp
             dist.all_gather_object(stages, routes, group=self.ctx.pp_group)
@@ -298,14 +306,27 @@ class LocalEngine:
         return int(longest)
 
     @staticmethod
-    def _routes(forwards: list, b: int, p_len: int) -> list:
+    def _to_rows(icx, logits, of_row: torch.Tensor, samples_per_prompt: int):
+        """After the prefill of each prompt once: its KV cache entries and last logits copied to
+        the rows of its samples."""
+        if samples_per_prompt == 1:
+            return logits
+        for layer, (k, v) in list(icx.key_value_memory_dict.items()):
+            index = of_row.to(k.device)
+            icx.key_value_memory_dict[layer] = (k.index_select(1, index), v.index_select(1, index))
+        return None if logits is None else logits.index_select(0, of_row.to(logits.device))
+
+    @staticmethod
+    def _routes(forwards: list, of_row: torch.Tensor, p_len: int) -> list:
         """Recorded routes per forward as [B, positions, L, K]: the prefill (Megatron's [s, b]
-        order) and one position per decoding step."""
+        order, one per prompt: each row gets its prompt's) and one position per decoding
+        step."""
         out = []
         for i, per_layer in enumerate(forwards):
             stacked = torch.stack(per_layer, 1)  # [N, L, K]
             if i == 0:
-                out.append(stacked.reshape(p_len, b, *stacked.shape[1:]).transpose(0, 1))
+                per_prompt = stacked.reshape(p_len, -1, *stacked.shape[1:]).transpose(0, 1)
+                out.append(per_prompt[of_row])
             else:  # the rows of that forward's (possibly compacted) batch
                 out.append(stacked)
         return out

@@ -251,12 +251,15 @@ def _kept(owner: torch.Tensor, key: tuple, make):
 
 
 def _cos_sin(freqs: torch.Tensor, dtype) -> tuple:
-    """Megatron's ``(cos(freqs) * mscale).to(dtype)`` and likewise sin (mscale 1). For a view of
-    a contiguous table (decoding slices it per step) they are views of the whole table's cos /
-    sin, made once per table, version and dtype and kept on it (cos and sin are elementwise: the
-    same values as computed on the slice)."""
+    """Megatron's ``(cos(freqs) * mscale).to(dtype)`` and likewise sin (mscale 1), the sin with
+    its first half negated (``_rotate`` multiplies it with the halves swapped). For a view of a
+    contiguous table (decoding slices it per step) they are views of the whole table's, made once
+    per table, version and dtype and kept on it (all elementwise: the same values as computed on
+    the slice)."""
     def of(t):
-        return (torch.cos(t) * 1.0).to(dtype), (torch.sin(t) * 1.0).to(dtype)
+        sin = (torch.sin(t) * 1.0).to(dtype)
+        s1, s2 = torch.chunk(sin, 2, dim=-1)
+        return (torch.cos(t) * 1.0).to(dtype), torch.cat((-s1, s2), dim=-1)
 
     owner = freqs if freqs._base is None else freqs._base
     if not owner.is_contiguous() or owner.dtype != freqs.dtype:
@@ -289,14 +292,16 @@ def _packed_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, dtype) -> tup
     return _kept(cu_seqlens, key, make)[1:]
 
 
-def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Megatron's unfused, non-interleaved rotation ``t * cos + rotate_half(t) * sin`` (the same
-    operations in the same order: the same values), dims past the table's passed through."""
+def _rotate(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Megatron's unfused, non-interleaved rotation ``t * cos + rotate_half(t) * sin`` with
+    ``rotate_half(t) = cat(-x2, x1)``, as ``t * cos + roll(t) * cat(-sin1, sin2)`` (``roll``
+    swaps the halves): the same products up to the sign, which is exact, summed in the same
+    order, so the same values and gradients in two elementwise operations fewer; dims past the
+    table's passed through."""
     rot = cos.shape[-1]
     if t.shape[-1] != rot:
-        return torch.cat((_rotate(t[..., :rot], cos, sin), t[..., rot:]), dim=-1)
-    x1, x2 = torch.chunk(t, 2, dim=-1)
-    return (t * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
+        return torch.cat((_rotate(t[..., :rot], cos, signed_sin), t[..., rot:]), dim=-1)
+    return (t * cos) + (torch.roll(t, rot // 2, dims=-1) * signed_sin)
 
 
 def cache_rope_tables() -> None:

@@ -342,7 +342,8 @@ def old_logprobs(run: Run, batch):
     mbs = _micro_batches(run, batch, layouts)
     temp = job.rollout.temperature
     routes = None
-    if job.algo.old_logprobs == "engine" and job.replay.mode == "none" and run.drift is None:
+    reads_pass = run.drift is not None and run.drift.reads_old_pass(batch)
+    if job.algo.old_logprobs == "engine" and job.replay.mode == "none" and not reads_pass:
         batch.old_logp_BS = batch.engine_logp_BS.clone()
     else:
         skip = len(per_k[0]) if reuses_first_minibatch(run, batch) else 0

@@ -252,17 +252,19 @@ def _kept(owner: torch.Tensor, key: tuple, make):
 
 def _cos_sin(freqs: torch.Tensor, dtype) -> tuple:
     """Megatron's ``(cos(freqs) * mscale).to(dtype)`` and likewise sin (mscale 1), the sin with
-    its first half negated (``_rotate`` multiplies it with the halves swapped). For a view of a
-    contiguous table (decoding slices it per step) they are views of the whole table's, made once
-    per table, version and dtype and kept on it (all elementwise: the same values as computed on
-    the slice)."""
+    its first ``rot // 2`` entries negated (``_rotate`` multiplies it with the halves swapped).
+    For a view of a contiguous table that keeps its last dim whole (decoding slices it per step)
+    they are views of the whole table's, made once per table, version and dtype and kept on it
+    (the same values as computed on the slice: elementwise but for the sign, which goes by the
+    place in the last dim)."""
     def of(t):
         sin = (torch.sin(t) * 1.0).to(dtype)
-        s1, s2 = torch.chunk(sin, 2, dim=-1)
-        return (torch.cos(t) * 1.0).to(dtype), torch.cat((-s1, s2), dim=-1)
+        half = sin.shape[-1] // 2
+        return (torch.cos(t) * 1.0).to(dtype), torch.cat((-sin[..., :half], sin[..., half:]), -1)
 
     owner = freqs if freqs._base is None else freqs._base
-    if not owner.is_contiguous() or owner.dtype != freqs.dtype:
+    if (not owner.is_contiguous() or owner.dtype != freqs.dtype
+            or freqs.shape[-1] != owner.shape[-1] or freqs.stride(-1) != 1):
         return of(freqs)
     cos, sin = _kept(owner, ("table", owner.dtype, owner._version, dtype), lambda: of(owner))
     if freqs is owner:
@@ -294,10 +296,11 @@ def _packed_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, dtype) -> tup
 
 def _rotate(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Megatron's unfused, non-interleaved rotation ``t * cos + rotate_half(t) * sin`` with
-    ``rotate_half(t) = cat(-x2, x1)``, as ``t * cos + roll(t) * cat(-sin1, sin2)`` (``roll``
-    swaps the halves): the same products up to the sign, which is exact, summed in the same
-    order, so the same values and gradients in two elementwise operations fewer; dims past the
-    table's passed through."""
+    ``rotate_half(t) = cat(-x2, x1)`` (``x1, x2 = chunk(t, 2)``), as ``t * cos + roll(t) *
+    signed_sin`` (rolling by ``rot // 2`` gives ``cat(x2, x1)``, odd widths too; the signed sin
+    negates the entries that meet ``x2``): the same products up to the sign, which is exact,
+    summed in the same order, so the same values and gradients in two elementwise operations
+    fewer; dims past the table's passed through."""
     rot = cos.shape[-1]
     if t.shape[-1] != rot:
         return torch.cat((_rotate(t[..., :rot], cos, signed_sin), t[..., rot:]), dim=-1)

@@ -42,10 +42,10 @@ class RolloutBatch:
     rewards_B: torch.Tensor
     lengths_B: torch.Tensor  # tokens fed per row (prompt + response - 1)
     routes: Optional[list] = None  # per row, moe.records.RoutingRecord of the engine (or None)
-    # Behaviour log-probs: filled before the updates, but for the rows of ``on_policy_layouts``
-    # (the first mini-batch's micro-batches, when set), which its update fills.
+    # Behaviour log-probs: filled before the updates, but for the first mini-batch's rows when
+    # ``first_minibatch_pending`` (NaN until its update, on the old policy, fills them).
     old_logp_BS: Optional[torch.Tensor] = None
-    on_policy_layouts: Optional[list] = None
+    first_minibatch_pending: bool = False
     ref_logp_BS: Optional[torch.Tensor] = None  # reference policy (KL term)
     recomputed_logp_BS: Optional[torch.Tensor] = None  # the trainer's pass on the old policy
     informative_B: Optional[torch.Tensor] = None  # 1.0 where the row's group rewards differ

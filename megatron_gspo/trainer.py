@@ -335,7 +335,8 @@ def old_logprobs(run: Run, batch):
     """Behaviour log-probs of the whole batch on the current (old) policy, and the routes of
     each micro-batch's forward (recorded; or under R3, the engine's, replayed), in the order
     the updates consume them. When ``reuses_first_minibatch``, the pass skips the first
-    mini-batch, whose rows the first update fills in (``batch.on_policy_layouts``)."""
+    mini-batch, whose rows hold NaN until the first update fills them in
+    (``batch.first_minibatch_pending``)."""
     job = run.job
     per_k = _layouts(run, batch)
     layouts = [layout for per in per_k for layout in per]
@@ -348,18 +349,21 @@ def old_logprobs(run: Run, batch):
     else:
         skip = len(per_k[0]) if reuses_first_minibatch(run, batch) else 0
         r3 = _targets(run, batch, layouts) if job.replay.mode == "r3" else None
-        record = run.replay is not None and r3 is None
+        # Recorded routes serve R2 and the drift probe's first forward, which never skip.
+        record = run.replay is not None and r3 is None and not skip
         logp = []
         if skip < len(mbs):
             logp, routes = logprob_pass(run.ddp, mbs[skip:], run.ctx, temperature=temp,
                                         replay=run.replay, record=record,
                                         targets=r3[skip:] if r3 is not None else None)
         logp = _unpack(batch, layouts[skip:], logp)
+        for layout in layouts[:skip]:  # until the first update fills them: loud if read
+            layout.scatter(logp, torch.full_like(layout.gather(logp), float("nan")))
         routes = r3 if r3 is not None else routes
         batch.old_logp_BS = (batch.engine_logp_BS.clone() if job.algo.old_logprobs == "engine"
                              else logp)
         batch.recomputed_logp_BS = logp
-        batch.on_policy_layouts = per_k[0] if skip else None
+        batch.first_minibatch_pending = bool(skip)
     if run.ref_model is not None:
         ref, _ = logprob_pass(run.ref_model, mbs, run.ctx, temperature=temp)
         batch.ref_logp_BS = _unpack(batch, layouts, ref)
@@ -400,7 +404,7 @@ def update(run: Run, batch, routes):
         targets = routes[done:done + len(mbs)] if replaying else None
         done += len(mbs)
         run.updates += 1
-        on_policy = k == 0 and batch.on_policy_layouts is not None
+        on_policy = k == 0 and batch.first_minibatch_pending
         result = policy_update(
             run.ddp, run.optimizer, mbs, run.ctx, job.algo, temperature=job.rollout.temperature,
             normalizer=normalizer_for(job.algo, mbs, run.ctx), guard=run.guard,
@@ -409,7 +413,9 @@ def update(run: Run, batch, routes):
         if on_policy:  # the behaviour log-probs of the first mini-batch, from its own forward
             for layout, values in zip(layouts, result.extra.pop("old_logp")):
                 layout.scatter(batch.old_logp_BS, values)
-                layout.scatter(batch.recomputed_logp_BS, values)
+                if batch.recomputed_logp_BS is not batch.old_logp_BS:
+                    layout.scatter(batch.recomputed_logp_BS, values)
+            batch.first_minibatch_pending = False
         if result.applied:
             run.scheduler.step(1)
         results.append(result)
@@ -483,7 +489,8 @@ def step_metrics(run: Run, step, batch, samples, results, drift, timers, seconds
     m["rollout/response_length"] = length_sum / n
     m["rollout/truncated_fraction"] = truncated / n
     m["rollout/informative_fraction"] = informative_sum / n
-    m["rollout/logprob_mismatch"] = mismatch / max(tokens, 1.0)
+    if recomputed is not None:  # (no trainer pass to compare with: engine log-probs)
+        m["rollout/logprob_mismatch"] = mismatch / max(tokens, 1.0)
     m.update(drift)
     for name, sec in timers.seconds.items():
         m[f"perf/time/{name}_s"] = sec

@@ -271,6 +271,11 @@ def rope_cache_job():
     out["decoding_slices"] = all(both(torch.randn(1, 3, 4, 16, generator=g), table[s:s + 1])
                                  for s in (12, 13, 12))  # the same slice twice: from the cache
     out["partial_rotary"] = both(torch.randn(12, 3, 4, 24, generator=g), table[:12])
+    # a view that narrows the table's last dim, and an odd rotary width (megatron's own tables
+    # are neither, but the function takes them)
+    out["narrowed_table_view"] = both(torch.randn(12, 3, 4, 16, generator=g), table[:12, ..., :8])
+    odd = torch.randn(40, 1, 1, 7, generator=g)
+    out["odd_rotary_width"] = both(torch.randn(12, 3, 4, 16, generator=g), odd[:12])
     cu = torch.tensor([0, 5, 12, 13, 20], dtype=torch.int32)
     out["packed"] = both(torch.randn(20, 4, 16, generator=g), table, cu_seqlens=cu)
     out["packed_table_of_the_pack"] = both(torch.randn(20, 4, 16, generator=g), table[:20],

@@ -64,4 +64,4 @@ def test_cached_rope_equals_megatrons():
     from tests.model_workers import rope_cache_job
 
     seen = run_ranks(rope_cache_job, 1)[0]
-    assert seen == {k: True for k in seen} and len(seen) == 11, seen
+    assert seen == {k: True for k in seen} and len(seen) == 13, seen

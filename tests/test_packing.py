@@ -160,13 +160,14 @@ FIRST = [("gspo", "none", "padded", False), ("gspo", "none", "padded", True),
          ("gspo", "r2", "packed", False)]
 
 
-@pytest.mark.parametrize("parallel", [{}, {"cp": 2}, {"pp": 2}], ids=["1", "cp2", "pp2"])
+@pytest.mark.parametrize("parallel", [{}, {"cp": 2}, {"pp": 2}, {"tp": 2, "sequence_parallel": True},
+                                      {"ep": 2}], ids=["1", "cp2", "pp2", "tp2_sp", "ep2"])
 def test_first_minibatch_behaviour_logprobs_come_from_its_update(parallel):
     """The old-policy pass skips the first mini-batch (its update's forward is on the old policy
     and gives its behaviour log-probs); the batch's behaviour log-probs are bitwise those of a
     pass over every micro-batch. Nothing is skipped under R2 (which replays the pass's routes)
     nor when the drift probe reads the pass's first forward (padded rows)."""
-    combos = FIRST if not parallel else FIRST[2:3]
+    combos = FIRST if not parallel else FIRST[2:4]
     cases = [(first_minibatch_job, (merge(PACKING, {
         "algo": {"name": algo}, "replay": {"mode": replay},
         "trainer": {"packing": mode == "packed"}, "logging": {"progress": False, "drift": drift},

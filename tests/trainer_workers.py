@@ -68,13 +68,20 @@ def _forced_micro_batches(run) -> list:
     from megatron_gspo import trainer
     from megatron_gspo.rl_batch import Layout, micro_batch
 
+    from megatron_gspo.policy import logprob_pass
+
     records, samples = trainer.rollout(run, 1)
     batch, _ = trainer.make_batch(run, samples, trainer.score(run, records, samples)[0])
     batch.advantages_B = torch.linspace(-1, 1, batch.rows)
-    trainer.old_logprobs(run, batch)
     size = run.job.trainer.micro_batch_size
-    return [micro_batch(batch, Layout(tuple(range(i, min(i + size, batch.rows)))),
-                        run.tokenizer.pad_id) for i in range(0, batch.rows, size)]
+    layouts = [Layout(tuple(range(i, min(i + size, batch.rows))))
+               for i in range(0, batch.rows, size)]
+    mbs = [micro_batch(batch, layout, run.tokenizer.pad_id) for layout in layouts]
+    # every row's behaviour log-probs, by a pass of their own (these micro-batches are not the
+    # trainer's mini-batches, whose first one takes them from its update)
+    logp, _ = logprob_pass(run.ddp, mbs, run.ctx, temperature=run.job.rollout.temperature)
+    batch.old_logp_BS = trainer._unpack(batch, layouts, logp)
+    return [micro_batch(batch, layout, run.tokenizer.pad_id) for layout in layouts]
 
 
 def nan_update_job(cfg: dict) -> dict:

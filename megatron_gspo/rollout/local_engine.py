@@ -203,7 +203,7 @@ class LocalEngine:
                 attend = causal[None] & valid_BS[::samples_per_prompt, None, :p_len]
                 logits = self._forward(tokens_UP, torch.arange(p_len).expand(n_prompts, p_len),
                                        (~attend)[:, None], icx)
-                logits = self._to_rows(icx, logits, of_row, samples_per_prompt)
+                logits = self._to_rows(icx, logits, of_row, samples_per_prompt, p_len)
                 icx.sequence_len_offset += p_len
                 for step in range(params.max_new_tokens):
                     token, logp = self._sample(logits, params, seeds_B, batch, step)
@@ -306,14 +306,19 @@ class LocalEngine:
         return int(longest)
 
     @staticmethod
-    def _to_rows(icx, logits, of_row: torch.Tensor, samples_per_prompt: int):
-        """After the prefill of each prompt once: its KV cache entries and last logits copied to
-        the rows of its samples."""
+    def _to_rows(icx, logits, of_row: torch.Tensor, samples_per_prompt: int, p_len: int):
+        """After the prefill of each prompt once: its KV cache entries (the ``p_len`` positions
+        written so far) and last logits copied to the rows of its samples."""
         if samples_per_prompt == 1:
             return logits
+
+        def rows(memory):  # [S, prompts, ...] -> [S, rows, ...]
+            out = memory.new_zeros(memory.shape[0], len(of_row), *memory.shape[2:])
+            out[:p_len] = memory[:p_len].index_select(1, of_row.to(memory.device))
+            return out
+
         for layer, (k, v) in list(icx.key_value_memory_dict.items()):
-            index = of_row.to(k.device)
-            icx.key_value_memory_dict[layer] = (k.index_select(1, index), v.index_select(1, index))
+            icx.key_value_memory_dict[layer] = (rows(k), rows(v))
         return None if logits is None else logits.index_select(0, of_row.to(logits.device))
 
     @staticmethod

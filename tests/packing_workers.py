@@ -40,16 +40,11 @@ def synthetic_samples(job, dp: int, dp_rank: int):
     return samples, rewards
 
 
-def rl_step_job(cfg: dict) -> dict:
-    """One RL step of ``cfg`` on the synthetic responses; rank-local results: every update's loss
-    and grad norm, and the updated policy's log-probs of this rank's responses (padded rows,
-    response tokens)."""
-    import torch
-
+def _step_inputs(cfg: dict):
+    """The run of ``cfg`` (seeded weights, the RL optimizer) and its batch of this rank's
+    synthetic responses: (job, run, samples, rewards, batch)."""
     from megatron_gspo import trainer
     from megatron_gspo.config import job_from_dict
-    from megatron_gspo.policy import logprob_pass
-    from megatron_gspo.rl_batch import Layout, build_batch, micro_batch
 
     job = job_from_dict(cfg)
     run = trainer.setup(job)
@@ -57,6 +52,20 @@ def rl_step_job(cfg: dict) -> dict:
     trainer.build_rl_optimizer(run)
     samples, rewards = synthetic_samples(job, run.ctx.dp, run.ctx.dp_rank)
     batch, _ = trainer.make_batch(run, samples, rewards)
+    return job, run, samples, rewards, batch
+
+
+def rl_step_job(cfg: dict) -> dict:
+    """One RL step of ``cfg`` on the synthetic responses; rank-local results: every update's loss
+    and grad norm, and the updated policy's log-probs of this rank's responses (padded rows,
+    response tokens)."""
+    import torch
+
+    from megatron_gspo import trainer
+    from megatron_gspo.policy import logprob_pass
+    from megatron_gspo.rl_batch import Layout, build_batch, micro_batch
+
+    job, run, samples, rewards, batch = _step_inputs(cfg)
     routes = trainer.old_logprobs(run, batch)
     trainer.correct_for_the_engine(run, batch)
     results, drift = trainer.update(run, batch, routes)
@@ -85,15 +94,9 @@ def first_minibatch_job(cfg: dict) -> dict:
     import torch
 
     from megatron_gspo import trainer
-    from megatron_gspo.config import job_from_dict
     from megatron_gspo.policy import logprob_pass
 
-    job = job_from_dict(cfg)
-    run = trainer.setup(job)
-    trainer.init_weights(run, "")
-    trainer.build_rl_optimizer(run)
-    samples, rewards = synthetic_samples(job, run.ctx.dp, run.ctx.dp_rank)
-    batch, _ = trainer.make_batch(run, samples, rewards)
+    job, run, _, _, batch = _step_inputs(cfg)
     per_k = trainer._layouts(run, batch)
     layouts = [layout for per in per_k for layout in per]
     mbs = trainer._micro_batches(run, batch, layouts)

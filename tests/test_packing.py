@@ -183,3 +183,18 @@ def test_first_minibatch_behaviour_logprobs_come_from_its_update(parallel):
             assert r["first_minibatch"] >= 1 and r["micro_batches"] > r["first_minibatch"]
             assert r["old_equal"] and r["recomputed_equal"], (combo, r)
             assert r["ratio"][0] == 1.0, (combo, r)
+
+
+def test_one_minibatch_needs_no_old_policy_pass_and_the_kl_pass_stays():
+    """With one mini-batch every update is on-policy: no old-policy forward at all; with a KL
+    term the reference model's pass still covers every micro-batch (its own model)."""
+    cases = [(first_minibatch_job, (merge(PACKING, {
+        "algo": {"minibatches": minibatches, "kl_coef": kl}, "trainer": {"packing": True},
+        "logging": {"progress": False, "drift": False}, "run_dir": tempfile.mkdtemp()}),))
+        for minibatches, kl in ((1, 0.0), (2, 0.05))]
+    (one,), (kl,) = run_layouts(1, cases)
+    assert one["old_pass_forwards"] == 0 and one["first_minibatch"] == one["micro_batches"]
+    assert one["old_equal"] and one["recomputed_equal"] and one["ratio"] == [1.0]
+    assert kl["old_pass_forwards"] == kl["micro_batches"] - kl["first_minibatch"]
+    assert kl["old_equal"] and kl["recomputed_equal"] and kl["ratio"][0] == 1.0
+    assert kl["reference_filled"] and not one["reference_filled"]

@@ -327,8 +327,11 @@ def reuses_first_minibatch(run: Run, batch) -> bool:
     engine log-probs (no pass at all)."""
     a = run.job.algo
     return (a.old_logprobs == "recompute" and run.job.replay.mode != "r2"
-            and a.rollout_correction == "none"
-            and (run.drift is None or not run.drift.reads_old_pass(batch)))
+            and a.rollout_correction == "none" and not _probe_reads_pass(run, batch))
+
+
+def _probe_reads_pass(run: Run, batch) -> bool:
+    return run.drift is not None and run.drift.reads_old_pass(batch)
 
 
 def old_logprobs(run: Run, batch):
@@ -343,8 +346,8 @@ def old_logprobs(run: Run, batch):
     mbs = _micro_batches(run, batch, layouts)
     temp = job.rollout.temperature
     routes = None
-    reads_pass = run.drift is not None and run.drift.reads_old_pass(batch)
-    if job.algo.old_logprobs == "engine" and job.replay.mode == "none" and not reads_pass:
+    if (job.algo.old_logprobs == "engine" and job.replay.mode == "none"
+            and not _probe_reads_pass(run, batch)):
         batch.old_logp_BS = batch.engine_logp_BS.clone()
     else:
         skip = len(per_k[0]) if reuses_first_minibatch(run, batch) else 0
@@ -412,9 +415,7 @@ def update(run: Run, batch, routes):
             inject_nan=run.updates in job.trainer.nan_at_updates, on_policy=on_policy)
         if on_policy:  # the behaviour log-probs of the first mini-batch, from its own forward
             for layout, values in zip(layouts, result.extra.pop("old_logp")):
-                layout.scatter(batch.old_logp_BS, values)
-                if batch.recomputed_logp_BS is not batch.old_logp_BS:
-                    layout.scatter(batch.recomputed_logp_BS, values)
+                layout.scatter(batch.old_logp_BS, values)  # (recomputed_logp_BS: the same tensor)
             batch.first_minibatch_pending = False
         if result.applied:
             run.scheduler.step(1)

@@ -95,6 +95,19 @@ def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator=None,
     return token, logq.gather(-1, token[:, None])[:, 0]
 
 
+def _cache_rows(icx, index: torch.Tensor) -> None:
+    """The static KV cache's batch rows ``index`` (of the current ones, repeats allowed), in that
+    order: the positions written so far are copied, the rest of each buffer is zeros."""
+    written = icx.sequence_len_offset
+    for layer, memory in list(icx.key_value_memory_dict.items()):
+        picked = []
+        for m in memory:  # key, value: [S, rows, ...]
+            out = m.new_zeros(m.shape[0], len(index), *m.shape[2:])
+            out[:written] = m[:written].index_select(1, index.to(m.device))
+            picked.append(out)
+        icx.key_value_memory_dict[layer] = tuple(picked)
+
+
 class LocalEngine:
     """Generates with ``gpt`` in this process; weight updates are the trainer's own, in place."""
 
@@ -203,8 +216,8 @@ class LocalEngine:
                 attend = causal[None] & valid_BS[::samples_per_prompt, None, :p_len]
                 logits = self._forward(tokens_UP, torch.arange(p_len).expand(n_prompts, p_len),
                                        (~attend)[:, None], icx)
-                logits = self._to_rows(icx, logits, of_row, samples_per_prompt, p_len)
                 icx.sequence_len_offset += p_len
+                logits = self._to_rows(icx, logits, of_row, samples_per_prompt)
                 for step in range(params.max_new_tokens):
                     token, logp = self._sample(logits, params, seeds_B, batch, step)
                     live = ~finished[batch]
@@ -288,9 +301,7 @@ class LocalEngine:
         done = finished[batch]
         keep = torch.cat([(~done).nonzero()[:, 0], done.nonzero()[:, 0]])[:size]
         keep = keep.sort().values
-        for layer, (k, v) in list(icx.key_value_memory_dict.items()):
-            index = keep.to(k.device)
-            icx.key_value_memory_dict[layer] = (k.index_select(1, index), v.index_select(1, index))
+        _cache_rows(icx, keep)
         return keep
 
     def _agree(self, p_len: int, b: int) -> int:
@@ -306,19 +317,12 @@ class LocalEngine:
         return int(longest)
 
     @staticmethod
-    def _to_rows(icx, logits, of_row: torch.Tensor, samples_per_prompt: int, p_len: int):
-        """After the prefill of each prompt once: its KV cache entries (the ``p_len`` positions
-        written so far) and last logits copied to the rows of its samples."""
+    def _to_rows(icx, logits, of_row: torch.Tensor, samples_per_prompt: int):
+        """After the prefill of each prompt once: its KV cache entries and last logits copied to
+        the rows of its samples."""
         if samples_per_prompt == 1:
             return logits
-
-        def rows(memory):  # [S, prompts, ...] -> [S, rows, ...]
-            out = memory.new_zeros(memory.shape[0], len(of_row), *memory.shape[2:])
-            out[:p_len] = memory[:p_len].index_select(1, of_row.to(memory.device))
-            return out
-
-        for layer, (k, v) in list(icx.key_value_memory_dict.items()):
-            icx.key_value_memory_dict[layer] = (rows(k), rows(v))
+        _cache_rows(icx, of_row)
         return None if logits is None else logits.index_select(0, of_row.to(logits.device))
 
     @staticmethod

@@ -417,6 +417,10 @@ class TrainerConfig:
     # back to back (THD) into micro-batches of at most max_tokens_per_micro_batch tokens.
     packing: bool = True
     max_tokens_per_micro_batch: int = 8192
+    # Packed rows of one prompt in one mini-batch feed the prompt once (its tokens but the last,
+    # as a prefix their segments attend to). Applies without context parallelism, on the SDPA
+    # attention (not with Transformer Engine).
+    share_prompts: bool = True
     lr: float = 1e-3
     min_lr: float = 0.0
     lr_warmup_steps: int = 0  # in optimizer updates

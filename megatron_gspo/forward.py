@@ -26,10 +26,30 @@ from megatron_gspo.seqshard import packed_zigzag_index, zigzag_index
 @dataclass
 class PackedRows(PackedSeqParams):
     """Megatron's packed-sequence parameters, plus the sequence bounds on the host and a cache
-    that the attention layers of one forward share (``layers.bucket_plan``)."""
+    that the attention layers of one forward share (``layers.bucket_plan``).
+
+    Shared prompts (``prefix_of``: each sequence's prefix sequence, -1 for none): a sequence
+    with a prefix attends to it as to its own first tokens and its positions continue the
+    prefix's. RoPE reads those positions from ``cu_seqlens_q.packed_positions`` (a [T] tensor on
+    the device, set here: Megatron's attention hands RoPE only ``cu_seqlens``); only this
+    project's SDPA attention and cached RoPE honour them (``layers``)."""
 
     bounds: tuple = ()
     cache: dict = dataclasses.field(default_factory=dict)
+    prefix_of: tuple = ()
+
+    def __post_init__(self):
+        if any(p >= 0 for p in self.prefix_of):
+            self.cu_seqlens_q.packed_positions = packed_positions(self.bounds, self.prefix_of).to(
+                self.cu_seqlens_q.device)
+
+
+def packed_positions(bounds, prefix_of) -> torch.Tensor:
+    """[T] position of each token of a packed row: from 0 in each sequence, continuing its
+    shared prefix's (``PackedRows``)."""
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat([torch.arange(n) + (lengths[p] if p >= 0 else 0)
+                      for n, p in zip(lengths, prefix_of)])
 
 
 # Per-token fields of a micro-batch ([B, S]); context parallelism splits each of them.
@@ -54,6 +74,9 @@ class MicroBatch:
     # sequence (segment) index; ``advantages_B`` then holds one value per segment (or per token).
     cu_seqlens: Optional[torch.Tensor] = None
     seq_BS: Optional[torch.Tensor] = None
+    # Shared prompts of a packed row: each segment's prefix segment, -1 for none
+    # (``rl_batch.Layout``); None when no segment has one.
+    prefix_of: Optional[tuple] = None
 
     @property
     def packed(self) -> bool:
@@ -79,10 +102,14 @@ class MicroBatch:
         if self.cu_seqlens is None:
             return None
         bounds = tuple(self.cu_seqlens.tolist())
-        longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        prefix_of = self.prefix_of or (-1,) * len(lengths)
+        # a sequence with a shared prefix spans both (its keys, and its RoPE positions)
+        longest = max(n + (lengths[p] if p >= 0 else 0) for n, p in zip(lengths, prefix_of))
         cu = self.cu_seqlens.to(device=device, dtype=torch.int32)
         return PackedRows(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                          max_seqlen_q=longest, max_seqlen_kv=longest, bounds=bounds)
+                          max_seqlen_q=longest, max_seqlen_kv=longest, bounds=bounds,
+                          prefix_of=prefix_of)
 
     def positions(self) -> torch.Tensor:
         if self.position_ids_BS is not None:
@@ -102,6 +129,8 @@ class MicroBatch:
         so that they stay global); per-row fields and ``cu_seqlens`` unchanged."""
         if cp == 1:
             return self
+        if self.prefix_of is not None:
+            raise ValueError("shared prompts cannot be split over context-parallel ranks")
         index = self.cp_index(cp, rank)
         fields = {name: getattr(self, name) for name in _TOKEN_FIELDS}
         fields["position_ids_BS"] = self.positions()

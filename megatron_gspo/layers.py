@@ -60,18 +60,28 @@ def length_buckets(lengths: list, ratio: float = 2.0) -> list:
     return buckets
 
 
-def bucket_plan(bounds, device) -> list:
+def bucket_plan(bounds, device, prefix_of=()) -> list:
     """For each length bucket of a packed row (``bounds``: cumulative sequence lengths as Python
-    ints): ``index`` [b, M] of each sequence's positions in the row, right-padded with its first
-    position, and ``real`` [b, M], False on the padding."""
+    ints): ``index`` [b, M] of each sequence's keys in the row, right-padded with its first
+    position, and ``real`` [b, M], True on its own tokens (its outputs). A sequence with a shared
+    prefix (``prefix_of[i]`` >= 0, ``forward.PackedRows``) has the prefix's tokens as its first
+    keys, not as outputs (the prefix is a sequence of its own, which gives them)."""
     starts, lengths = bounds[:-1], [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    prefix_of = prefix_of or (-1,) * len(lengths)
+    spans = [n + (lengths[p] if p >= 0 else 0) for n, p in zip(lengths, prefix_of)]
     plan = []
-    for bucket in length_buckets(lengths):
-        m = lengths[bucket[0]]
-        start = torch.tensor([starts[i] for i in bucket])[:, None]
-        offset = torch.arange(m)[None, :]
-        real = offset < torch.tensor([lengths[i] for i in bucket])[:, None]
-        index = torch.where(real, start + offset, start)
+    for bucket in length_buckets(spans):
+        m = spans[bucket[0]]
+        index = torch.zeros(len(bucket), m, dtype=torch.long)
+        real = torch.zeros(len(bucket), m, dtype=torch.bool)
+        for row, i in enumerate(bucket):
+            keys = torch.arange(starts[i], starts[i] + lengths[i])
+            if prefix_of[i] >= 0:
+                p = prefix_of[i]
+                keys = torch.cat([torch.arange(starts[p], starts[p] + lengths[p]), keys])
+            index[row] = keys[0]
+            index[row, :len(keys)] = keys
+            real[row, len(keys) - lengths[i]:len(keys)] = True
         plan.append((index.to(device), real.to(device)))
     return plan
 
@@ -84,7 +94,8 @@ def _plan_of(packed_seq_params, device) -> list:
     if cache is None:
         return bucket_plan(packed_seq_params.cu_seqlens_q.tolist(), device)
     if "bucket_plan" not in cache:
-        cache["bucket_plan"] = bucket_plan(packed_seq_params.bounds, device)
+        cache["bucket_plan"] = bucket_plan(packed_seq_params.bounds, device,
+                                           packed_seq_params.prefix_of)
     return cache["bucket_plan"]
 
 
@@ -94,7 +105,8 @@ def packed_causal_attention(q_TND, k_TGD, v_TGD, plan, *, scale=None, dropout_p=
 
     Sequences of similar length go through ``scaled_dot_product_attention`` together, right-
     padded to the bucket's longest: under the causal rule a real query never sees a key after
-    it, so padding changes no real output (padded queries are dropped and get no gradient). The
+    it, so padding changes no real output (padded queries are dropped and get no gradient; so
+    are the queries of a shared prefix ahead of a sequence, whose keys it attends to). The
     work is about that of the sequences' own lengths (sum of L^2), not the packed row's (T^2)
     that a block-diagonal mask over the whole row would cost, in a few calls instead of one per
     sequence."""
@@ -276,12 +288,17 @@ def _cos_sin(freqs: torch.Tensor, dtype) -> tuple:
 
 def _packed_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, dtype) -> tuple:
     """cos / sin of Megatron's packed (THD) table without context parallelism: each sequence's
-    positions from 0, or, when the table covers every packed token, their place in the pack;
+    positions from 0 (continuing its shared prefix's, when ``cu_seqlens`` carries
+    ``packed_positions``), or, when the table covers every packed token, their place in the pack;
     made once per micro-batch (its ``cu_seqlens`` keeps them, with the table, so that no other
     table can take its memory and its key while they are kept)."""
+    positions = getattr(cu_seqlens, "packed_positions", None)  # shared prompts (PackedRows)
+
     def make():
         total = int(cu_seqlens[-1])
-        if freqs.size(0) == total:
+        if positions is not None:
+            packed = freqs[positions.to(freqs.device)]
+        elif freqs.size(0) == total:
             packed = freqs[:total]
         else:
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
@@ -329,6 +346,9 @@ def cache_rope_tables() -> None:
                 or torch.is_inference_mode_enabled() or freqs.is_inference()
                 or (cu_seqlens is not None and (cp_group is None or cp_group.size() > 1
                                                 or cu_seqlens.is_inference()))):
+            if getattr(cu_seqlens, "packed_positions", None) is not None:
+                raise ValueError("shared prompts (trainer.share_prompts) need the unfused RoPE "
+                                 "without context parallelism; set trainer.share_prompts=false")
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale,
                             cp_group=cp_group)
         if cu_seqlens is None:

@@ -6,9 +6,9 @@ tell another what it will do.
 The plan keeps the padded mode's mini-batches (row ``j`` of every rank's rollout batch belongs to
 mini-batch ``j mod M``), so packed and padded updates see the same responses. Within a mini-batch:
 
-1. its rows are split over the data-parallel ranks so that their token counts balance (sorted
-   greedy: longest first, each to the rank with the fewest tokens so far; advantages are computed
-   before, so a group may be split);
+1. its rows (units, below) are split over the data-parallel ranks so that their token counts
+   balance (sorted greedy: longest first, each to the rank with the fewest tokens so far;
+   advantages are computed before, so a group may be split);
 2. each rank's share is packed first-fit-decreasing into micro-batches of at most
    ``budget`` tokens (a longer row gets a micro-batch of its own);
 3. every rank runs the same number of micro-batches (the largest count, so that expert-parallel
@@ -17,6 +17,12 @@ mini-batch ``j mod M``), so packed and padded updates see the same responses. Wi
 
 Costs are the tokens a row occupies once packed: its fed tokens rounded up to ``seq_multiple``
 (2 x cp under context parallelism, each sequence split in 2 x cp zigzag chunks).
+
+Shared prompts (``shares``): the rows of one rank and mini-batch that hold the same prompt are a
+*unit*, planned and packed together; its rows feed the prompt's first tokens once (a prefix
+segment the rows' segments attend to, ``rl_batch.Layout.packed_rows``), so the unit costs the
+shared tokens once plus each row's rest. Units are kept whole (never split over ranks or
+micro-batches); without ``shares`` every row is a unit of its own.
 
 Legend: ``R`` data-parallel ranks, ``M`` mini-batches. A row is named ``(rank, index)`` by where
 the rollout put it.
@@ -98,19 +104,46 @@ class StepPlan:
         return [[len(mb) for mb in per_k] for per_k in self.micro[rank]]
 
 
+def units_of(rows: Sequence[Row], shares=None) -> list[list[Row]]:
+    """``rows`` grouped into units: the rows of one rank whose ``shares[r][j]`` keys are equal
+    (in order of first appearance, each unit's rows in their order); singletons without
+    ``shares``."""
+    if shares is None:
+        return [[row] for row in rows]
+    units: dict = {}
+    for r, j in rows:
+        units.setdefault((r, shares[r][j][0]), []).append((r, j))
+    return list(units.values())
+
+
+def unit_cost(unit: Sequence[Row], lengths, shares=None, seq_multiple: int = 1) -> int:
+    """Tokens a unit occupies once packed: with two rows or more and ``n`` > 0 shared tokens
+    (``shares[r][j] = (key, n)``), ``n`` once plus each row's other tokens; otherwise each row's
+    fed tokens rounded up to ``seq_multiple``."""
+    n = shares[unit[0][0]][unit[0][1]][1] if shares is not None and len(unit) > 1 else 0
+    if n > 0:
+        if seq_multiple != 1:
+            raise ValueError("shared prompts need seq_multiple 1 (no context parallelism)")
+        return n + sum(lengths[r][j] - n for r, j in unit)
+    return sum(round_up(lengths[r][j], seq_multiple) for r, j in unit)
+
+
 def plan_step(lengths: Sequence[Sequence[int]], *, minibatches: int, budget: int,
-              seq_multiple: int = 1, row_multiple: int = 1) -> StepPlan:
+              seq_multiple: int = 1, row_multiple: int = 1, shares=None) -> StepPlan:
     """The plan for rows of ``lengths[r][j]`` fed tokens on data-parallel rank ``r`` (see the
-    module's docstring). ``row_multiple``: what a packed micro-batch's length is rounded up to."""
+    module's docstring). ``row_multiple``: what a packed micro-batch's length is rounded up to.
+    ``shares[r][j] = (key, n)``: rows of one rank with equal keys share their first ``n`` fed
+    tokens (a unit); None: no sharing."""
     ranks = len(lengths)
     per_rank: list[list[list[list[Row]]]] = [[] for _ in range(ranks)]
     for k in range(minibatches):
         rows = [(r, j) for r in range(ranks) for j in range(k, len(lengths[r]), minibatches)]
-        costs = [round_up(lengths[r][j], seq_multiple) for r, j in rows]
-        shares = balanced_partition(costs, ranks)
-        counts = [len(first_fit_bins([costs[i] for i in s], budget, row_multiple)) for s in shares]
+        units = units_of(rows, shares)
+        costs = [unit_cost(u, lengths, shares, seq_multiple) for u in units]
+        parts = balanced_partition(costs, ranks)
+        counts = [len(first_fit_bins([costs[i] for i in s], budget, row_multiple)) for s in parts]
         count = max(max(counts), 1)
-        for r, share in enumerate(shares):
-            bins = micro_batch_bins([costs[i] for i in share], budget, count, row_multiple)
-            per_rank[r].append([[rows[share[i]] for i in b] for b in bins])
+        for r, part in enumerate(parts):
+            bins = micro_batch_bins([costs[i] for i in part], budget, count, row_multiple)
+            per_rank[r].append([[row for i in b for row in units[part[i]]] for b in bins])
     return StepPlan(tuple(tuple(x) for x in per_rank))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_gspo import comm
 from megatron_gspo.forward import MicroBatch
-from megatron_gspo.packing import StepPlan, round_up
+from megatron_gspo.packing import StepPlan, round_up, unit_cost, units_of
 from megatron_gspo.rollout.types import Sample
 from megatron_gspo.seqshard import packed_zigzag_index, seq_index_from_cu_seqlens, zigzag_index
 from moe.records import RoutingRecord, padded_routes, rank_targets
@@ -41,6 +41,7 @@ class RolloutBatch:
     advantages_B: torch.Tensor
     rewards_B: torch.Tensor
     lengths_B: torch.Tensor  # tokens fed per row (prompt + response - 1)
+    prompt_lengths_B: torch.Tensor  # prompt tokens per row
     routes: Optional[list] = None  # per row, moe.records.RoutingRecord of the engine (or None)
     # Behaviour log-probs: filled before the updates, but for the first mini-batch's rows when
     # ``first_minibatch_pending`` (NaN until its update, on the old policy, fills them).
@@ -90,6 +91,7 @@ def build_batch(samples: Sequence[Sample], rewards_B: torch.Tensor, advantages_B
     mask = torch.zeros(b, width)
     engine_logp = torch.zeros(b, width)
     lengths = torch.zeros(b, dtype=torch.long)
+    prompt_lengths = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
     routes = [] if samples and samples[0].routes_TLK is not None else None
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
@@ -102,7 +104,22 @@ def build_batch(samples: Sequence[Sample], rewards_B: torch.Tensor, advantages_B
         if routes is not None:
             routes.append(RoutingRecord.from_indices(s.routes_TLK, num_experts))
     return RolloutBatch(tokens, mask, engine_logp, advantages_B.float(), rewards_B.float(), lengths,
-                        routes)
+                        prompt_lengths, routes)
+
+
+def prompt_shares(batch: RolloutBatch) -> list:
+    """Per row ``(key, n)`` for ``packing.plan_step``: rows with equal keys hold the same prompt
+    and may feed its first ``n`` = prompt - 1 tokens once (the last prompt token stays in each
+    row's own segment: it predicts the row's first response token). The key is the first row
+    with the same prompt tokens and, when the batch has the engine's routes (R3, drift), the
+    same routes on those ``n`` tokens: a shared token has one route."""
+    keys, out = {}, []
+    for i in range(batch.rows):
+        n = int(batch.prompt_lengths_B[i]) - 1
+        key = (tuple(batch.tokens_BS1[i, :n + 1].tolist()),
+               None if batch.routes is None else batch.routes[i].indices()[:n].numpy().tobytes())
+        out.append((keys.setdefault(key, i), n))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,40 +129,70 @@ def build_batch(samples: Sequence[Sample], rewards_B: torch.Tensor, advantages_B
 @dataclass(frozen=True)
 class Layout:
     """One micro-batch's rows of the batch. Padded: ``[len(rows), S]``. Packed: one row of
-    ``N`` tokens, row ``rows[i]``'s fed tokens in segment ``i`` (rounded up to ``seq_multiple``
-    with padding), a trailing padding segment making ``N`` a multiple of ``row_multiple``;
-    ``row_N`` / ``pos_N`` name each token's source (row -1: the padding segment)."""
+    ``N`` tokens, row ``rows[i]``'s fed tokens in a segment of its own (rounded up to
+    ``seq_multiple`` with padding), a trailing padding segment making ``N`` a multiple of
+    ``row_multiple``; ``row_N`` / ``pos_N`` name each token's source (row -1: the padding
+    segment).
+
+    Shared prompts: consecutive rows of one unit (equal ``prefixes`` keys, two rows or more)
+    feed their first ``n`` tokens once, as a prefix segment (taken from the unit's first row);
+    each row's segment then holds its tokens from position ``n`` on and attends to the prefix
+    (``prefix_of``), as if the prefix were its own first tokens. ``segment_rows`` names each
+    segment's row (-1: a prefix or the padding)."""
 
     rows: tuple
     cu_seqlens: Optional[torch.Tensor] = None  # packed only, int32 [segments + 1]
     row_N: Optional[torch.Tensor] = None
     pos_N: Optional[torch.Tensor] = None
     valid_N: Optional[torch.Tensor] = None  # a real token of a row (not padding)
+    segment_rows: tuple = ()  # packed: each segment's row, -1 for a shared prefix or padding
+    prefix_of: tuple = ()  # packed: each segment's shared-prefix segment, -1 for none
 
     @property
     def packed(self) -> bool:
         return self.cu_seqlens is not None
 
+    @property
+    def shares_prompts(self) -> bool:
+        return any(p >= 0 for p in self.prefix_of)
+
     @staticmethod
     def packed_rows(rows: Sequence[int], lengths: Sequence[int], *, seq_multiple: int = 1,
-                    row_multiple: int = 1, length: int = 0) -> "Layout":
+                    row_multiple: int = 1, length: int = 0, prefixes=None) -> "Layout":
         """``rows`` (fed tokens ``lengths[i]`` each) packed; no rows: one padding segment. The
-        padding segment makes the row at least ``length`` tokens long."""
-        segments = [round_up(n, seq_multiple) for n in lengths]
-        total = sum(segments)
+        padding segment makes the row at least ``length`` tokens long. ``prefixes[i] = (key,
+        n)``: consecutive rows of equal keys share their first ``n`` fed tokens."""
+        segments = []  # (row, first position, tokens, real tokens, prefix segment)
+        i = 0
+        while i < len(rows):
+            end = i + 1
+            while prefixes is not None and end < len(rows) and prefixes[end][0] == prefixes[i][0]:
+                end += 1
+            n = prefixes[i][1] if prefixes is not None and end - i > 1 else 0
+            if n > 0:
+                if seq_multiple != 1:
+                    raise ValueError("shared prompts need seq_multiple 1 (no context parallelism)")
+                segments.append((rows[i], 0, n, n, -1, -1))
+                prefix = len(segments) - 1
+                segments += [(rows[t], n, lengths[t] - n, lengths[t] - n, prefix, rows[t])
+                             for t in range(i, end)]
+            else:
+                segments += [(rows[t], 0, round_up(lengths[t], seq_multiple), lengths[t], -1,
+                              rows[t]) for t in range(i, end)]
+            i = end
+        total = sum(seg[2] for seg in segments)
         pad = round_up(max(total, length, 1), row_multiple) - total
-        row_N, pos_N, valid_N = [], [], []
-        for r, n, seg in zip(rows, lengths, segments):
-            row_N.append(torch.full((seg,), r, dtype=torch.long))
-            pos_N.append(torch.arange(seg))
-            valid_N.append(torch.arange(seg) < n)
         if pad:
-            segments.append(pad)
-            row_N.append(torch.full((pad,), -1, dtype=torch.long))
-            pos_N.append(torch.arange(pad))
-            valid_N.append(torch.zeros(pad, dtype=torch.bool))
-        cu = torch.tensor([0] + segments, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return Layout(tuple(rows), cu, torch.cat(row_N), torch.cat(pos_N), torch.cat(valid_N))
+            segments.append((-1, 0, pad, 0, -1, -1))
+        row_N = torch.cat([torch.full((seg,), r, dtype=torch.long)
+                           for r, _, seg, _, _, _ in segments])
+        pos_N = torch.cat([first + torch.arange(seg) for _, first, seg, _, _, _ in segments])
+        valid_N = torch.cat([torch.arange(seg) < real for _, _, seg, real, _, _ in segments])
+        cu = torch.tensor([0] + [seg[2] for seg in segments], dtype=torch.int32).cumsum(
+            0, dtype=torch.int32)
+        return Layout(tuple(rows), cu, row_N, pos_N, valid_N,
+                      segment_rows=tuple(seg[5] for seg in segments),
+                      prefix_of=tuple(seg[4] for seg in segments))
 
     @property
     def num_segments(self) -> int:
@@ -186,7 +233,7 @@ def padded_layouts(num_rows: int, minibatches: int, size: int) -> list[list[Layo
 
 def packed_layouts(plan: StepPlan, dp_rank: int, lengths: Sequence[Sequence[int]], *,
                    seq_multiple: int, row_multiple: int, across_ranks: bool = False,
-                   same_length: bool = False) -> list[list[Layout]]:
+                   same_length: bool = False, shares=None) -> list[list[Layout]]:
     """This rank's packed micro-batches of each mini-batch, its batch holding the plan's rows in
     the plan's order (``exchange_rows``); ``lengths[r][j]``: fed tokens of every rank's rows.
     ``across_ranks``: the k-th micro-batch of a mini-batch has one length on every
@@ -195,7 +242,7 @@ def packed_layouts(plan: StepPlan, dp_rank: int, lengths: Sequence[Sequence[int]
     activations of one shape per pass)."""
 
     def natural(rows) -> int:
-        total = sum(round_up(lengths[src][j], seq_multiple) for src, j in rows)
+        total = sum(unit_cost(u, lengths, shares, seq_multiple) for u in units_of(rows, shares))
         return round_up(max(total, 1), row_multiple)
 
     target = [[natural(mb) for mb in per_k] for per_k in plan.micro[dp_rank]]
@@ -210,9 +257,12 @@ def packed_layouts(plan: StepPlan, dp_rank: int, lengths: Sequence[Sequence[int]
         layouts = []
         for rows, size in zip(per_k, sizes):
             local = list(range(start, start + len(rows)))
+            prefixes = None if shares is None else [((src, shares[src][j][0]), shares[src][j][1])
+                                                    for src, j in rows]
             layouts.append(Layout.packed_rows(local, [lengths[src][j] for src, j in rows],
                                               seq_multiple=seq_multiple,
-                                              row_multiple=row_multiple, length=size))
+                                              row_multiple=row_multiple, length=size,
+                                              prefixes=prefixes))
             start += len(rows)
         out.append(layouts)
     return out
@@ -237,13 +287,14 @@ def micro_batch(batch: RolloutBatch, layout: Layout, pad_id: int) -> MicroBatch:
     adv = batch.advantages_B
     if adv.dim() == 2:  # per-token advantages (token-level rollout correction)
         adv = layout.gather(adv)
-    else:  # one per segment; the padding segment gets 0
-        adv = torch.zeros(layout.num_segments, dtype=adv.dtype)
-        adv[:len(layout.rows)] = batch.advantages_B[torch.tensor(layout.rows, dtype=torch.long)]
+    else:  # one per segment; shared prefixes and the padding segment get 0
+        rows = torch.tensor(layout.segment_rows, dtype=torch.long)
+        adv = torch.where(rows >= 0, batch.advantages_B[rows.clamp(min=0)], 0.0).to(adv.dtype)
     return MicroBatch(inputs, targets, position_ids_BS=layout.pos_N[None].clone(),
                       old_logp_BS=old, loss_mask_BS=layout.gather(batch.mask_BS),
                       advantages_B=adv, ref_logp_BS=ref, cu_seqlens=layout.cu_seqlens,
-                      seq_BS=layout.segment_N()[None])
+                      seq_BS=layout.segment_N()[None],
+                      prefix_of=layout.prefix_of if layout.shares_prompts else None)
 
 
 def route_targets(batch: RolloutBatch, layout: Layout, *, layers, ctx) -> list:
@@ -254,11 +305,13 @@ def route_targets(batch: RolloutBatch, layout: Layout, *, layers, ctx) -> list:
     if not layout.packed:
         routes = padded_routes(records, lengths, batch.width)
         return router_view(routes, layers, ctx)
-    any_record = batch.routes[0]
-    routes = padded_routes([any_record], [0], layout.row_N.numel())  # fill routes
-    if records:
-        routes[0, layout.valid_N] = torch.cat([rec.indices()[:n]
-                                               for rec, n in zip(records, lengths)])
+    routes = padded_routes([batch.routes[0]], [0], layout.row_N.numel())  # fill routes
+    if records:  # each real token's route: its row's at its position
+        per_row = padded_routes(records, lengths, batch.width)
+        local = torch.full((batch.rows,), -1, dtype=torch.long)
+        local[torch.tensor(layout.rows, dtype=torch.long)] = torch.arange(len(layout.rows))
+        v = layout.valid_N
+        routes[0, v] = per_row[local[layout.row_N[v]], layout.pos_N[v]]
     return router_view(routes, layers, ctx, layout=layout)
 
 
@@ -296,11 +349,12 @@ def exchange_rows(batch: RolloutBatch, plan: StepPlan, lengths: Sequence[Sequenc
 
     def floats(j):
         scalars = [batch.advantages_B[j], batch.rewards_B[j], batch.lengths_B[j].float(),
-                   batch.informative_B[j] if has_info else torch.tensor(0.0)]
+                   batch.informative_B[j] if has_info else torch.tensor(0.0),
+                   batch.prompt_lengths_B[j].float()]
         return torch.cat([batch.mask_BS[j], batch.engine_logp_BS[j],
                           torch.stack([x.float() for x in scalars])])[None]
 
-    vals = exchange(send, recv, floats, one, torch.float32, (2 * width + 4,))
+    vals = exchange(send, recv, floats, one, torch.float32, (2 * width + 5,))
     routes = None
     if batch.routes is not None:
         layers, top_k = batch.routes[0].experts_TLK.shape[1:]
@@ -328,7 +382,8 @@ def exchange_rows(batch: RolloutBatch, plan: StepPlan, lengths: Sequence[Sequenc
         batch, tokens_BS1=ids, mask_BS=vals[:, :w].contiguous(),
         engine_logp_BS=vals[:, w:2 * w].contiguous(), advantages_B=vals[:, 2 * w].contiguous(),
         rewards_B=vals[:, 2 * w + 1].contiguous(), lengths_B=vals[:, 2 * w + 2].long(),
-        informative_B=vals[:, 2 * w + 3].contiguous() if has_info else None, routes=routes,
+        informative_B=vals[:, 2 * w + 3].contiguous() if has_info else None,
+        prompt_lengths_B=vals[:, 2 * w + 4].long(), routes=routes,
         origin=list(wanted[me]))
 
 

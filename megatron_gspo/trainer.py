@@ -27,7 +27,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_gspo import comm, cpu_backend, router_losses
+from megatron_gspo import comm, cpu_backend, router_losses, te
 from megatron_gspo.advantages import (group_advantages, informative_groups, overlong_penalty,
                                       select_groups)
 from megatron_gspo.checkpoint import CheckpointError, CheckpointManager
@@ -51,8 +51,8 @@ from megatron_gspo.policy_io import export_hf_dir, hf_config_at
 from megatron_gspo.rewards import get_reward
 from megatron_gspo.rewards.pool import InlineScorer, RewardPool, make_scorer
 from megatron_gspo.rl_batch import (build_batch, exchange_rows, layouts_of, micro_batch,
-                                    packed_layouts, round_up, route_targets, row_width,
-                                    width_multiple)
+                                    packed_layouts, prompt_shares, round_up, route_targets,
+                                    row_width, width_multiple)
 from megatron_gspo.rollout.local_engine import LocalEngine
 from megatron_gspo.rollout.sglang_engine import SGLangEngine, init_weights_update_group
 from megatron_gspo.rollout.sglang_layout import ServerLayout
@@ -269,16 +269,30 @@ def make_batch(run: Run, samples, rewards):
     return batch, metrics
 
 
+def shares_prompts(run: Run) -> bool:
+    """``trainer.share_prompts`` where it applies: packed rows without context parallelism, on
+    this project's SDPA attention (not Transformer Engine's)."""
+    t = run.job.trainer
+    return (t.packing and t.share_prompts and run.ctx.cp == 1
+            and not te.use_te_spec(run.ctx.device.type))
+
+
 def pack_batch(run: Run, batch):
-    """Packing: every rank plans the step from all ranks' row lengths, receives its rows and
-    cuts them into packed micro-batches (``megatron_gspo.packing``)."""
+    """Packing: every rank plans the step from all ranks' row lengths (and, sharing prompts,
+    which rows hold the same prompt), receives its rows and cuts them into packed
+    micro-batches (``megatron_gspo.packing``)."""
     ctx, t = run.ctx, run.job.trainer
     lengths = comm.all_gather_vector(batch.lengths_B, device=ctx.device, group=ctx.dp_group)
+    shares = None
+    if shares_prompts(run):
+        mine = torch.tensor(prompt_shares(batch), dtype=torch.long).reshape(-1)
+        shares = [list(zip(v[0::2], v[1::2])) for v in
+                  comm.all_gather_vector(mine, device=ctx.device, group=ctx.dp_group)]
     seq_multiple = 2 * ctx.cp if ctx.cp > 1 else 1
     row_multiple = width_multiple(ctx)
     plan = plan_step(lengths, minibatches=run.job.algo.minibatches,
                      budget=t.max_tokens_per_micro_batch, seq_multiple=seq_multiple,
-                     row_multiple=row_multiple)
+                     row_multiple=row_multiple, shares=shares)
     batch = exchange_rows(batch, plan, lengths, ctx, num_experts=run.job.model.num_experts)
     # Expert parallelism's all-gather dispatcher exchanges equal token counts: the k-th
     # micro-batch gets one length on every rank. Pipeline stages exchange activations of one
@@ -286,7 +300,7 @@ def pack_batch(run: Run, batch):
     # there, all micro-batches share one length.
     batch.layouts = packed_layouts(plan, ctx.dp_rank, lengths, seq_multiple=seq_multiple,
                                    row_multiple=row_multiple, across_ranks=ctx.ep > 1,
-                                   same_length=ctx.pp > 1)
+                                   same_length=ctx.pp > 1, shares=shares)
     return batch
 
 

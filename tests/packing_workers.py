@@ -15,8 +15,9 @@ PACKING = merge(SHORT, {"rollout": {"prompts_per_step": 4, "group_size": 4, "max
 
 
 def synthetic_samples(job, dp: int, dp_rank: int):
-    """This data-parallel rank's responses: prompts of 3-6 tokens, responses of 1-24 tokens
-    (lognormal, capped), random engine log-probs and routes, rewards in {0, 1}."""
+    """This data-parallel rank's responses: prompts of 3-6 tokens, one per group, responses of
+    1-24 tokens (lognormal, capped), random engine log-probs and routes (a group's prompt tokens
+    routed alike, as the engine's one prefill per prompt gives them), rewards in {0, 1}."""
     import torch
 
     from megatron_gspo.rollout.types import Sample
@@ -26,12 +27,16 @@ def synthetic_samples(job, dp: int, dp_rank: int):
     n = (r.prompts_per_step // dp) * r.group_size
     samples = []
     for i in range(n):
-        p = int(torch.randint(3, 7, (), generator=g))
+        if i % r.group_size == 0:
+            p = int(torch.randint(3, 7, (), generator=g))
+            prompt = torch.randint(3, m.vocab_size, (p,), generator=g).tolist()
+            prompt_routes = torch.rand(p, m.num_layers, m.num_experts,
+                                       generator=g).argsort(-1)[..., :m.top_k]
         resp = int(min(r.max_new_tokens, max(1, torch.empty(()).log_normal_(1.5, 0.8,
                                                                               generator=g))))
-        ids = torch.randint(3, m.vocab_size, (p + resp,), generator=g).tolist()
-        routes = torch.rand(p + resp - 1, m.num_layers, m.num_experts,
-                            generator=g).argsort(-1)[..., :m.top_k]
+        ids = prompt + torch.randint(3, m.vocab_size, (resp,), generator=g).tolist()
+        routes = torch.cat([prompt_routes, torch.rand(resp - 1, m.num_layers, m.num_experts,
+                                                      generator=g).argsort(-1)[..., :m.top_k]])
         samples.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:],
                               logprobs_R=-torch.rand(resp, generator=g) * 3,
                               finish_reason="length" if resp == r.max_new_tokens else "stop",

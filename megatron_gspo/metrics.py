@@ -21,9 +21,10 @@ TensorBoard tags written every RL step (``moe/`` tags: see ``moe.instrument``):
   ``rollout/overlong_masked``, ``rollout/overlong_penalty``
 - ``eval/accuracy`` (held-out greedy accuracy, at evaluations)
 - ``perf/step_time_s``, ``perf/tokens_per_s`` (trained tokens / step time),
-  ``perf/model_tokens`` (prompt and response tokens of the step's samples: what one pass over
-  the batch feeds the model, padding left out; model FLOPs of the update phase = 6 x active
-  parameters x this), and
+  ``perf/model_tokens`` (the tokens one pass over the batch feeds the model: each row's prompt
+  and response but the last token, padding left out, a shared prompt once
+  (``trainer.share_prompts``); model FLOPs of the update phase = 6 x active parameters x this),
+  and
   ``perf/time/PHASE_s`` for rollout, reward, old_logprobs, update, weight_sync, checkpoint (the
   last in TensorBoard only: the step's row is written before its checkpoint)
 - ``sft/loss`` during the supervised warm-up

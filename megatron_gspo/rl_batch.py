@@ -217,6 +217,12 @@ class Layout:
         v = self.valid_N
         out_BS[self.row_N[v], self.pos_N[v]] = values[0, v].to(out_BS.dtype)
 
+    def fed_tokens(self, lengths_B: torch.Tensor) -> int:
+        """Real tokens the micro-batch feeds (padding left out; a shared prefix once)."""
+        if self.packed:
+            return int(self.valid_N.sum())
+        return int(lengths_B[torch.tensor(self.rows, dtype=torch.long)].sum())
+
     def valid(self, lengths_B: torch.Tensor, width: int) -> torch.Tensor:
         """[len(rows), S] or [1, N]: True on the real tokens."""
         if self.packed:

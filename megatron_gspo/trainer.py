@@ -496,7 +496,8 @@ def step_metrics(run: Run, step, batch, samples, results, drift, timers, seconds
      n) = comm.reduce_values(
         [rewards.sum(), (rewards ** 2).sum(), sum(len(s.response_ids) for s in samples),
          sum(s.finish_reason == "length" for s in samples), informative.sum(), mismatch_sum,
-         float(mask.sum()), sum(len(s.prompt_ids) + len(s.response_ids) for s in samples),
+         float(mask.sum()), sum(layout.fed_tokens(batch.lengths_B)
+                                for per_k in _layouts(run, batch) for layout in per_k),
          len(samples)], device=ctx.device, group=ctx.dp_group)
     mean = reward_sum / n
     m["rollout/reward_mean"] = mean

@@ -88,7 +88,11 @@ def rl_step_job(cfg: dict) -> dict:
             "clip_fraction": [float(r.metrics.get("clip_fraction", 0.0)) for r in results],
             "after": after[mine.mask_BS > 0], "drift": drift,
             "micro_batches": [len(per_k) for per_k in (batch.layouts or [])],
-            "tokens": int(batch.lengths_B.sum())}
+            "tokens": int(batch.lengths_B.sum()),
+            "fed": sum(layout.fed_tokens(batch.lengths_B) for per_k in trainer._layouts(run, batch)
+                       for layout in per_k),
+            "shared": sum(layout.shares_prompts for per_k in (batch.layouts or [])
+                          for layout in per_k)}
 
 
 def first_minibatch_job(cfg: dict) -> dict:

@@ -85,16 +85,138 @@ def test_packed_layout_gathers_and_scatters_rows():
     assert empty.cu_seqlens.tolist() == [0, 4] and not empty.valid_N.any()
 
 
+def test_the_plan_keeps_a_prompts_rows_together_and_feeds_the_prompt_once():
+    """With shared prompts a mini-batch's rows of one prompt on one rank are a unit: in one
+    micro-batch, next to each other, costing the shared tokens once; mini-batches unchanged."""
+    ranks, rows, group, minibatches = 2, 32, 8, 4
+    lengths = [long_tailed(rows, seed=10 + r, cap=40) for r in range(ranks)]
+    # prompt = row // group; it shares its first 5 fed tokens (rows are at least 6 long)
+    lengths = [[n + 6 for n in per] for per in lengths]
+    shares = [[(j // group, 5) for j in range(rows)] for _ in range(ranks)]
+    plan = plan_step(lengths, minibatches=minibatches, budget=60, shares=shares)
+    plain = plan_step(lengths, minibatches=minibatches, budget=60)
+    for k in range(minibatches):
+        rows_k = sorted(row for r in range(ranks) for mb in plan.micro[r][k] for row in mb)
+        assert rows_k == sorted(row for r in range(ranks) for mb in plain.micro[r][k] for row in mb)
+        for r in range(ranks):
+            for mb in plan.micro[r][k]:
+                units = {}
+                for at, (src, j) in enumerate(mb):
+                    units.setdefault((src, j // group), []).append(at)
+                for (src, prompt), places in units.items():
+                    # the unit is whole here: 8 / 4 = 2 rows of each prompt per mini-batch
+                    assert len(places) == 2 and places[1] == places[0] + 1
+                # the budget holds for the shared cost (the prefix once per unit)
+                cost = sum(lengths[src][j] for src, j in mb) - 5 * len(units)
+                assert cost <= 60 or len(units) == 1
+    assert plan == plan_step(lengths, minibatches=minibatches, budget=60, shares=shares)
+
+
+def test_a_shared_prompt_layout_feeds_the_prefix_once_and_covers_every_target():
+    values = torch.arange(4 * 8, dtype=torch.float32).reshape(4, 8) + 1
+    # rows 3 and 1 share 3 prompt tokens (fed lengths 5 and 7), row 0 stands alone (4 tokens)
+    layout = Layout.packed_rows([3, 1, 0], [5, 7, 4], row_multiple=4,
+                                prefixes=[("a", 3), ("a", 3), ("b", 2)])
+    assert layout.cu_seqlens.tolist() == [0, 3, 5, 9, 13, 16]  # prefix, 2, 4, row 0, padding 3
+    assert layout.segment_rows == (-1, 3, 1, 0, -1) and layout.prefix_of == (-1, 0, 0, -1, -1)
+    assert layout.shares_prompts and layout.fed_tokens(torch.zeros(4)) == 13
+    assert layout.row_N.tolist()[:13] == [3, 3, 3, 3, 3, 1, 1, 1, 1, 0, 0, 0, 0]
+    assert layout.pos_N.tolist()[:13] == [0, 1, 2, 3, 4, 3, 4, 5, 6, 0, 1, 2, 3]
+    got = layout.gather(values)
+    back = torch.zeros(4, 8)
+    layout.scatter(back, got)
+    # every fed position from the prompt's last token on is the row's own: all targets covered
+    assert back[3, :5].tolist() == values[3, :5].tolist()
+    assert back[1, 3:7].tolist() == values[1, 3:7].tolist() and back[1, :3].abs().sum() == 0
+    assert back[0, :4].tolist() == values[0, :4].tolist()
+    from megatron_gspo.forward import packed_positions
+
+    assert packed_positions(tuple(layout.cu_seqlens.tolist()), layout.prefix_of).tolist()[:13] \
+        == layout.pos_N.tolist()[:13]
+    with pytest.raises(ValueError, match="context parallelism"):
+        Layout.packed_rows([0, 1], [5, 6], seq_multiple=2, prefixes=[("a", 3), ("a", 3)])
+
+
+def test_shared_prefix_attention_equals_each_rows_own():
+    """A sequence attending to a shared prefix gets the outputs, and gives the prefix the
+    gradients, that it would as one causal sequence with the prefix as its first tokens."""
+    from megatron_gspo.layers import bucket_plan, packed_causal_attention
+
+    torch.manual_seed(0)
+    prefix, tails = 5, [3, 7, 1]
+    rows = [prefix + n for n in tails]
+    q_rows = [torch.randn(n, 4, 8, dtype=torch.float64) for n in rows]
+    k_rows = [torch.randn(n, 2, 8, dtype=torch.float64) for n in rows]
+    v_rows = [torch.randn(n, 2, 8, dtype=torch.float64) for n in rows]
+    for t in (q_rows, k_rows, v_rows):  # the rows hold one prompt
+        for i in range(1, len(rows)):
+            t[i][:prefix] = t[0][:prefix]
+    # packed: the prefix once, then each row's tail
+    pack = lambda ts: torch.cat([ts[0][:prefix]] + [t[prefix:] for t in ts]).requires_grad_()  # noqa: E731
+    q, k, v = pack(q_rows), pack(k_rows), pack(v_rows)
+    bounds = tuple(torch.tensor([0, prefix, *tails]).cumsum(0).tolist())
+    out = packed_causal_attention(q, k, v, bucket_plan(bounds, "cpu", (-1, 0, 0, 0)))
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    start = prefix
+    grads = [torch.zeros(prefix, *t.shape[1:], dtype=torch.float64) for t in (q, k, v)]
+    for i, n in enumerate(rows):
+        qi, ki, vi = (t[i].clone().requires_grad_() for t in (q_rows, k_rows, v_rows))
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1), is_causal=True,
+            enable_gqa=True).transpose(0, 1)
+        tail = n - prefix
+        if i == 0:  # the prefix's own outputs (its queries see only the prefix)
+            assert torch.allclose(out[:prefix], ref[:prefix], atol=1e-12)
+        assert torch.allclose(out[start:start + tail], ref[prefix:], atol=1e-12)
+        w = torch.cat([weights[:prefix] if i == 0 else torch.zeros_like(weights[:prefix]),
+                       weights[start:start + tail]])
+        (ref * w).sum().backward()
+        for g, t, packed_grad in zip(grads, (qi, ki, vi), (q.grad, k.grad, v.grad)):
+            g += t.grad[:prefix]
+            assert torch.allclose(packed_grad[start:start + tail], t.grad[prefix:], atol=1e-12)
+        start += tail
+    for g, packed_grad in zip(grads, (q.grad, k.grad, v.grad)):  # the prefix: every row's sum
+        assert torch.allclose(packed_grad[:prefix], g, atol=1e-12)
+
+
+def test_rows_share_a_prompt_only_with_the_same_tokens_and_routes():
+    from megatron_gspo.rl_batch import build_batch, prompt_shares
+    from megatron_gspo.rollout.types import Sample
+
+    def sample(prompt, response, routes=None):
+        return Sample(prompt_ids=prompt, response_ids=response,
+                      logprobs_R=torch.zeros(len(response)), finish_reason="stop",
+                      routes_TLK=routes)
+
+    batch = build_batch([sample([5, 6, 7], [8]), sample([5, 6, 7], [9, 10]),
+                         sample([5, 6, 4], [8]), sample([5, 6], [7, 8])],
+                        torch.zeros(4), torch.zeros(4), width=4, pad_id=0)
+    # the same prompt: one key; another last token or length: keys of their own
+    assert prompt_shares(batch) == [(0, 2), (0, 2), (2, 2), (3, 1)]
+    r = torch.zeros(4, 2, 2, dtype=torch.long)
+    r[..., 1] = 1
+    other = r.clone()
+    other[1, 0] = torch.tensor([2, 3])  # a prompt token routed elsewhere
+    last = r.clone()
+    last[2, 0] = torch.tensor([2, 3])  # the last prompt token: not shared, may differ
+    batch = build_batch([sample([5, 6, 7], [8, 9], r), sample([5, 6, 7], [8, 9], other),
+                         sample([5, 6, 7], [8, 9], last)], torch.zeros(3), torch.zeros(3),
+                        width=4, pad_id=0, num_experts=4)
+    assert prompt_shares(batch) == [(0, 2), (1, 2), (0, 2)]
+
+
 def close(a, b, rel=1e-5, abs_=1e-7):
     return abs(a - b) <= rel * max(abs(a), abs(b)) + abs_
 
 
-def _cases(parallel, combos):
+def _cases(parallel, combos, share_prompts=True):
     out = []
     for algo, replay, correction in combos:
         for packing in (False, True):
             cfg = merge(PACKING, {"algo": {"name": algo, "rollout_correction": correction},
-                                  "replay": {"mode": replay}, "trainer": {"packing": packing},
+                                  "replay": {"mode": replay},
+                                  "trainer": {"packing": packing, "share_prompts": share_prompts},
                                   "parallel": parallel, "run_dir": tempfile.mkdtemp()})
             out.append((rl_step_job, (cfg,)))
     return out
@@ -113,9 +235,14 @@ LAYOUTS = {"dp2": {}, "cp2": {"cp": 2}, "tp2_sp": {"tp": 2, "sequence_parallel":
 COMBOS = {"dp2": TWO_RANKS, "cp2": TWO_RANKS, "tp2_sp": TWO_RANKS}
 
 
+# Packed rows each feeding their whole prompt (trainer.share_prompts=false), on one rank.
+UNSHARED = [("gspo", "r2", "none"), ("grpo", "r3", "none")]
+
+
 @pytest.fixture(scope="module")
 def steps():
-    out = {"1": (ONE_RANK, run_layouts(1, _cases({}, ONE_RANK)))}
+    one = run_layouts(1, _cases({}, ONE_RANK) + _cases({}, UNSHARED, share_prompts=False))
+    out = {"1": (ONE_RANK, one[:2 * len(ONE_RANK)]), "1-unshared": (UNSHARED, one[2 * len(ONE_RANK):])}
     per_case = run_layouts(2, [c for name, parallel in LAYOUTS.items()
                                for c in _cases(parallel, COMBOS[name])])
     start = 0
@@ -126,11 +253,17 @@ def steps():
     return out
 
 
-@pytest.mark.parametrize("layout", ["1", *LAYOUTS])
+@pytest.mark.parametrize("layout", ["1", "1-unshared", *LAYOUTS])
 def test_packed_step_equals_padded_step(steps, layout):
+    """Packed rows (a group's rows in one micro-batch feeding their prompt once, but under CP
+    and with trainer.share_prompts=false) train as the padded rows do."""
     combos, results = steps[layout]
     for i, combo in enumerate(combos):
         padded, packed = results[2 * i], results[2 * i + 1]
+        for p in packed:  # a shared prompt is fed once: fewer tokens than the rows hold
+            sharing = layout not in ("cp2", "1-unshared")
+            assert (p["shared"] > 0 and p["fed"] < p["tokens"]) == sharing, (combo, p)
+            assert p["fed"] == p["tokens"] or sharing
         for rank, (a, b) in enumerate(zip(padded, packed)):
             for key in ("grad_norm", "clip_fraction"):
                 assert all(close(x, y) for x, y in zip(a[key], b[key])), (combo, key, a[key], b[key])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -60,12 +61,25 @@ def length_buckets(lengths: list, ratio: float = 2.0) -> list:
     return buckets
 
 
+@dataclass(frozen=True)
+class Bucket:
+    """Sequences of a packed row attended together: ``index`` [b, M] of each sequence's keys in
+    the row (right-padded with its first key), ``real`` [b, M] True on its own tokens (its
+    outputs); flat, as ``index_select`` / ``index_copy`` take them: ``keys`` = ``index``
+    flattened, ``outputs`` the places in it of the real entries, ``rows`` their row tokens."""
+
+    index: torch.Tensor
+    real: torch.Tensor
+    keys: torch.Tensor
+    outputs: torch.Tensor
+    rows: torch.Tensor
+
+
 def bucket_plan(bounds, device, prefix_of=()) -> list:
-    """For each length bucket of a packed row (``bounds``: cumulative sequence lengths as Python
-    ints): ``index`` [b, M] of each sequence's keys in the row, right-padded with its first
-    position, and ``real`` [b, M], True on its own tokens (its outputs). A sequence with a shared
-    prefix (``prefix_of[i]`` >= 0, ``forward.PackedRows``) has the prefix's tokens as its first
-    keys, not as outputs (the prefix is a sequence of its own, which gives them)."""
+    """The ``Bucket``s of a packed row (``bounds``: cumulative sequence lengths as Python ints),
+    by length (``length_buckets``). A sequence with a shared prefix (``prefix_of[i]`` >= 0,
+    ``forward.PackedRows``) has the prefix's tokens as its first keys, not as outputs (the prefix
+    is a sequence of its own, which gives them)."""
     starts, lengths = bounds[:-1], [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     prefix_of = prefix_of or (-1,) * len(lengths)
     spans = [n + (lengths[p] if p >= 0 else 0) for n, p in zip(lengths, prefix_of)]
@@ -82,7 +96,9 @@ def bucket_plan(bounds, device, prefix_of=()) -> list:
             index[row] = keys[0]
             index[row, :len(keys)] = keys
             real[row, len(keys) - lengths[i]:len(keys)] = True
-        plan.append((index.to(device), real.to(device)))
+        outputs = real.reshape(-1).nonzero()[:, 0]
+        plan.append(Bucket(*(t.to(device) for t in (index, real, index.reshape(-1), outputs,
+                                                     index.reshape(-1)[outputs]))))
     return plan
 
 
@@ -112,11 +128,14 @@ def packed_causal_attention(q_TND, k_TGD, v_TGD, plan, *, scale=None, dropout_p=
     sequence."""
     out = torch.empty_like(q_TND)
     n, g = q_TND.shape[1], k_TGD.shape[1]
-    for index, real in plan:
-        q, k, v = (t[index].permute(0, 2, 1, 3) for t in (q_TND, k_TGD, v_TGD))  # [b, N, M, D]
+    for bucket in plan:  # (gathers and writes by index_select / index_copy: their backwards are
+        b, m = bucket.index.shape  # index_add / index_select, far cheaper than advanced indexing's)
+        q, k, v = (t.index_select(0, bucket.keys).view(b, m, *t.shape[1:]).permute(0, 2, 1, 3)
+                   for t in (q_TND, k_TGD, v_TGD))  # [b, N, M, D]
         o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                            scale=scale, enable_gqa=(n != g))
-        out[index[real]] = o.permute(0, 2, 1, 3)[real]
+        o = o.permute(0, 2, 1, 3).reshape(b * m, *q_TND.shape[1:])
+        out.index_copy_(0, bucket.rows, o.index_select(0, bucket.outputs))
     return out
 
 

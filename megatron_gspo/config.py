@@ -194,6 +194,10 @@ class AlgoConfig:
     kl_coef: float = 0.0  # > 0 builds a frozen reference model (k3 estimator)
     entropy_coef: float = 0.0
     minibatches: int = 4  # policy updates per rollout batch (the paper: 4; later ones off-policy)
+    # Which rows make a mini-batch: interleaved (every minibatches-th row: each mini-batch holds
+    # some rows of every prompt) | groups (every minibatches-th group, whole, as verl and slime
+    # split a batch: a group's prompt is then fed once for all its rows, trainer.share_prompts).
+    minibatch_split: str = "interleaved"
     scale_advantages: bool = True  # divide by the group's reward std
     # MoE router losses during RL (the warm-up uses model.aux_loss_coeff). Default 0: GSPO's
     # objective has no such term, its gradient does not scale with the advantages (it would
@@ -231,6 +235,9 @@ class AlgoConfig:
             raise _err("algo.name", self.name, "is unknown", f"use one of {', '.join(ALGOS)}")
         if self.minibatches < 1:
             raise _err("algo.minibatches", self.minibatches, "must be >= 1", "use 1 for on-policy")
+        if self.minibatch_split not in ("interleaved", "groups"):
+            raise _err("algo.minibatch_split", self.minibatch_split, "is unknown",
+                       "use interleaved or groups")
         if self.old_logprobs not in ("recompute", "engine"):
             raise _err("algo.old_logprobs", self.old_logprobs, "is unknown", "use recompute or engine")
         for key in ("aux_loss_coeff", "z_loss_coeff"):
@@ -589,6 +596,12 @@ class JobConfig:
             raise _err("rollout.prompts_per_step", self.rollout.prompts_per_step,
                        f"does not split over {dp} data-parallel ranks", f"use a multiple of {dp}")
         rows = self.rollout.prompts_per_step * self.rollout.group_size // dp
+        prompts = self.rollout.prompts_per_step // dp
+        if self.algo.minibatch_split == "groups" and prompts % self.algo.minibatches:
+            raise _err("algo.minibatch_split", "groups", f"needs the {prompts} prompts of each of "
+                       f"{dp} data-parallel ranks to divide into {self.algo.minibatches} "
+                       "mini-batches of whole groups", "use interleaved, or a multiple of "
+                       f"{dp * self.algo.minibatches} prompts per step")
         per_mb = rows // self.algo.minibatches
         if rows % self.algo.minibatches or per_mb % self.trainer.micro_batch_size:
             raise _err("trainer.micro_batch_size", self.trainer.micro_batch_size,

@@ -24,6 +24,7 @@ import os
 import torch
 
 from megatron_gspo import comm
+from megatron_gspo.packing import minibatch_rows
 from megatron_gspo.policy import logprob_pass
 from megatron_gspo.rl_batch import (Layout, micro_batch, route_targets, router_view,
                                     width_multiple)
@@ -57,11 +58,15 @@ class DriftProbe:
     def _probe(self, batch) -> Layout:
         """The probed rows' micro-batch layout on this rank (see the module's docstring)."""
         size, k = self.job.trainer.micro_batch_size, self.job.algo.minibatches
+        group_size = self.job.rollout.group_size if self.job.algo.minibatch_split == "groups" else 0
+        # the first ``size`` rows of a rank's first mini-batch (rows past the batch: none)
+        first = [j for j in minibatch_rows(size * k * max(group_size, 1), k, group_size)[0][:size]
+                 if j < batch.rows or batch.layouts is not None]
         if batch.layouts is None:  # padded: rank 0's first micro-batch, counted there only
             self._counted = self.ctx.dp_rank == 0
-            return Layout(tuple(range(0, min(size * k, batch.rows), k)))
+            return Layout(tuple(first))
         self._counted = True
-        probed = {(0, j) for j in range(0, size * k, k)}
+        probed = {(0, j) for j in first}
         rows = [i for i, origin in enumerate(batch.origin) if origin in probed]
         shape = dict(seq_multiple=2 * self.ctx.cp if self.ctx.cp > 1 else 1,
                      row_multiple=width_multiple(self.ctx))

@@ -3,8 +3,9 @@ mini-batch are packed (THD) into micro-batches under a token budget. Pure functi
 lengths: every rank computes the same plan from the same all-gathered lengths, so no rank has to
 tell another what it will do.
 
-The plan keeps the padded mode's mini-batches (row ``j`` of every rank's rollout batch belongs to
-mini-batch ``j mod M``), so packed and padded updates see the same responses. Within a mini-batch:
+The plan keeps the padded mode's mini-batches (``minibatch_rows``: row ``j`` of every rank's
+rollout batch belongs to mini-batch ``j mod M``, or with whole groups of G rows to ``(j // G) mod
+M``), so packed and padded updates see the same responses. Within a mini-batch:
 
 1. its rows (units, below) are split over the data-parallel ranks so that their token counts
    balance (sorted greedy: longest first, each to the rank with the fewest tokens so far;
@@ -38,6 +39,22 @@ Row = tuple[int, int]  # (data-parallel rank that generated it, its index there)
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def minibatch_rows(num_rows: int, minibatches: int, group_size: int = 0) -> list[list[int]]:
+    """The rows of a rank's batch in each mini-batch (one optimizer update each), a pure
+    function of the row's index, so that a mini-batch holds the same responses on any
+    data-parallel split of the batch (each rank holds a contiguous block of whole groups):
+
+    - interleaved (``group_size`` 0): every ``minibatches``-th row, so each mini-batch holds
+      ``group_size / minibatches`` rows of every prompt;
+    - whole groups (``group_size`` G, ``algo.minibatch_split=groups``): the rows of every
+      ``minibatches``-th group (as verl and slime split a batch), the split under which a
+      group's prompt is fed once for all its rows (``trainer.share_prompts``)."""
+    if group_size:
+        return [[j for j in range(num_rows) if (j // group_size) % minibatches == k]
+                for k in range(minibatches)]
+    return [list(range(k, num_rows, minibatches)) for k in range(minibatches)]
 
 
 def balanced_partition(costs: Sequence[int], parts: int) -> list[list[int]]:
@@ -129,15 +146,18 @@ def unit_cost(unit: Sequence[Row], lengths, shares=None, seq_multiple: int = 1) 
 
 
 def plan_step(lengths: Sequence[Sequence[int]], *, minibatches: int, budget: int,
-              seq_multiple: int = 1, row_multiple: int = 1, shares=None) -> StepPlan:
+              seq_multiple: int = 1, row_multiple: int = 1, shares=None,
+              group_size: int = 0) -> StepPlan:
     """The plan for rows of ``lengths[r][j]`` fed tokens on data-parallel rank ``r`` (see the
     module's docstring). ``row_multiple``: what a packed micro-batch's length is rounded up to.
     ``shares[r][j] = (key, n)``: rows of one rank with equal keys share their first ``n`` fed
-    tokens (a unit); None: no sharing."""
+    tokens (a unit); None: no sharing. ``group_size``: whole groups per mini-batch
+    (``minibatch_rows``)."""
     ranks = len(lengths)
     per_rank: list[list[list[list[Row]]]] = [[] for _ in range(ranks)]
+    members = [minibatch_rows(len(lengths[r]), minibatches, group_size) for r in range(ranks)]
     for k in range(minibatches):
-        rows = [(r, j) for r in range(ranks) for j in range(k, len(lengths[r]), minibatches)]
+        rows = [(r, j) for r in range(ranks) for j in members[r][k]]
         units = units_of(rows, shares)
         costs = [unit_cost(u, lengths, shares, seq_multiple) for u in units]
         parts = balanced_partition(costs, ranks)

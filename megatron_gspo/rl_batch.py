@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_gspo import comm
 from megatron_gspo.forward import MicroBatch
-from megatron_gspo.packing import StepPlan, round_up, unit_cost, units_of
+from megatron_gspo.packing import StepPlan, minibatch_rows, round_up, unit_cost, units_of
 from megatron_gspo.rollout.types import Sample
 from megatron_gspo.seqshard import packed_zigzag_index, seq_index_from_cu_seqlens, zigzag_index
 from moe.records import RoutingRecord, padded_routes, rank_targets
@@ -231,10 +231,11 @@ class Layout:
         return torch.arange(width)[None] < lengths_B[rows, None]
 
 
-def padded_layouts(num_rows: int, minibatches: int, size: int) -> list[list[Layout]]:
-    """Padded micro-batches of ``size`` rows of each mini-batch (``minibatch_rows``)."""
+def padded_layouts(num_rows: int, minibatches: int, size: int, group_size: int = 0
+                   ) -> list[list[Layout]]:
+    """Padded micro-batches of ``size`` rows of each mini-batch (``packing.minibatch_rows``)."""
     return [[Layout(tuple(rows[i:i + size])) for i in range(0, len(rows), size)]
-            for rows in minibatch_rows(num_rows, minibatches)]
+            for rows in minibatch_rows(num_rows, minibatches, group_size)]
 
 
 def packed_layouts(plan: StepPlan, dp_rank: int, lengths: Sequence[Sequence[int]], *,
@@ -274,9 +275,11 @@ def packed_layouts(plan: StepPlan, dp_rank: int, lengths: Sequence[Sequence[int]
     return out
 
 
-def layouts_of(batch: RolloutBatch, minibatches: int, size: int) -> list[list[Layout]]:
-    return batch.layouts if batch.layouts is not None else padded_layouts(batch.rows, minibatches,
-                                                                          size)
+def layouts_of(batch: RolloutBatch, minibatches: int, size: int, group_size: int = 0
+               ) -> list[list[Layout]]:
+    if batch.layouts is not None:
+        return batch.layouts
+    return padded_layouts(batch.rows, minibatches, size, group_size)
 
 
 def micro_batch(batch: RolloutBatch, layout: Layout, pad_id: int) -> MicroBatch:
@@ -404,20 +407,6 @@ def micro_batches(batch: RolloutBatch, rows: Sequence[int], size: int) -> list[M
             old_logp_BS=None if batch.old_logp_BS is None else batch.old_logp_BS[idx],
             loss_mask_BS=batch.mask_BS[idx], advantages_B=batch.advantages_B[idx]))
     return out
-
-
-def minibatch_rows(num_rows: int, minibatches: int) -> list[list[int]]:
-    """The rows of each mini-batch (one optimizer update each): every ``minibatches``-th row, so
-    that a mini-batch holds the same responses on any data-parallel split of the batch (each rank
-    holds a contiguous block of rows)."""
-    return [list(range(k, num_rows, minibatches)) for k in range(minibatches)]
-
-
-def update_order(num_rows: int, minibatches: int) -> list[int]:
-    """Rows in the order the updates consume them (mini-batch after mini-batch): the old-policy
-    pass runs its micro-batches in this order, so that its k-th micro-batch is the k-th of the
-    updates (R2 replays its routes there)."""
-    return [r for rows in minibatch_rows(num_rows, minibatches) for r in rows]
 
 
 def router_view(x_BSLK: torch.Tensor, layers, ctx, layout: Optional[Layout] = None) -> list:

@@ -292,7 +292,7 @@ def pack_batch(run: Run, batch):
     row_multiple = width_multiple(ctx)
     plan = plan_step(lengths, minibatches=run.job.algo.minibatches,
                      budget=t.max_tokens_per_micro_batch, seq_multiple=seq_multiple,
-                     row_multiple=row_multiple, shares=shares)
+                     row_multiple=row_multiple, shares=shares, group_size=split_groups(run))
     batch = exchange_rows(batch, plan, lengths, ctx, num_experts=run.job.model.num_experts)
     # Expert parallelism's all-gather dispatcher exchanges equal token counts: the k-th
     # micro-batch gets one length on every rank. Pipeline stages exchange activations of one
@@ -310,9 +310,15 @@ def _dp_mean(run: Run, total: float, count: int) -> float:
     return total / max(count, 1.0)
 
 
+def split_groups(run: Run) -> int:
+    """The group size when mini-batches take whole groups (``algo.minibatch_split``), else 0."""
+    return run.job.rollout.group_size if run.job.algo.minibatch_split == "groups" else 0
+
+
 def _layouts(run: Run, batch) -> list:
     """The micro-batch layouts of each mini-batch (packed, or padded rows)."""
-    return layouts_of(batch, run.job.algo.minibatches, run.job.trainer.micro_batch_size)
+    return layouts_of(batch, run.job.algo.minibatches, run.job.trainer.micro_batch_size,
+                      split_groups(run))
 
 
 def _micro_batches(run: Run, batch, layouts) -> list:

@@ -114,6 +114,7 @@ def test_arms_and_experiments_compose(composer):
 
 
 INVALID = [  # (overrides, key the message must name)
+    (["algo.minibatch_split=shuffled"], "algo.minibatch_split"),
     (["algo.name=ppo"], "algo.name"),
     (["algo.minibatches=0"], "algo.minibatches"),
     (["algo.minibatches=3"], "algo.minibatches"),  # does not divide 16 x 8 responses
@@ -172,6 +173,8 @@ LAYOUT_INVALID = [  # (overrides, world size, key)
     (["parallel.pp=3"], 3, "parallel.pp"),
     (["rollout.prompts_per_step=3"], 2, "rollout.prompts_per_step"),
     (["trainer.micro_batch_size=24"], 2, "trainer.micro_batch_size"),
+    # 16 prompts on 8 ranks: 2 each, not 4 mini-batches of whole groups
+    (["algo.minibatch_split=groups", "trainer.micro_batch_size=4"], 8, "algo.minibatch_split"),
 ]
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_gspo.packing import (balanced_partition, first_fit_bins, micro_batch_bins,
-                                   plan_step, round_up)
+                                   minibatch_rows, plan_step, round_up)
 from megatron_gspo.rl_batch import Layout
 from tests.distributed import run_layouts
 from tests.packing_workers import PACKING, first_minibatch_job, rl_step_job
@@ -22,23 +22,25 @@ def long_tailed(n, seed, cap=256):
     return [min(cap, max(2, int(rng.lognormvariate(3.5, 0.9)))) for _ in range(n)]
 
 
-@pytest.mark.parametrize("ranks,minibatches,budget,seq_multiple,row_multiple",
-                         [(1, 1, 512, 1, 1), (2, 2, 300, 1, 1), (4, 4, 256, 4, 8),
-                          (3, 2, 200, 2, 2)])
+@pytest.mark.parametrize("ranks,minibatches,budget,seq_multiple,row_multiple,group_size",
+                         [(1, 1, 512, 1, 1, 0), (2, 2, 300, 1, 1, 0), (4, 4, 256, 4, 8, 0),
+                          (3, 2, 200, 2, 2, 0), (2, 4, 300, 1, 1, 4), (3, 2, 200, 2, 2, 8)])
 def test_the_plan_covers_every_row_once_balanced_and_within_budget(ranks, minibatches, budget,
-                                                                   seq_multiple, row_multiple):
+                                                                   seq_multiple, row_multiple,
+                                                                   group_size):
     lengths = [long_tailed(32, seed=r) for r in range(ranks)]
     plan = plan_step(lengths, minibatches=minibatches, budget=budget, seq_multiple=seq_multiple,
-                     row_multiple=row_multiple)
+                     row_multiple=row_multiple, group_size=group_size)
     cost = {(r, j): round_up(lengths[r][j], seq_multiple) for r in range(ranks)
             for j in range(32)}
     seen = [row for r in range(ranks) for row in plan.rows_of(r)]
     assert sorted(seen) == sorted(cost)  # every row exactly once
     for k in range(minibatches):
-        # the padded mode's mini-batch k: row j of every rank with j = k mod M
+        # the padded mode's mini-batch k: row j of every rank with j = k mod M (whole groups:
+        # j // G = k mod M)
         rows_k = [row for r in range(ranks) for mb in plan.micro[r][k] for row in mb]
-        assert sorted(rows_k) == sorted((r, j) for r in range(ranks)
-                                        for j in range(k, 32, minibatches))
+        assert sorted(rows_k) == sorted((r, j) for r in range(ranks) for j in range(32)
+                                        if (j // max(group_size, 1)) % minibatches == k)
         # the same number of micro-batches on every rank
         assert len({len(plan.micro[r][k]) for r in range(ranks)}) == 1
         # tokens balanced: ranks differ by at most the longest row of the mini-batch
@@ -50,7 +52,17 @@ def test_the_plan_covers_every_row_once_balanced_and_within_budget(ranks, miniba
                 assert packed <= budget or len(mb) == 1
     # pure: the same plan on every rank
     assert plan == plan_step(lengths, minibatches=minibatches, budget=budget,
-                             seq_multiple=seq_multiple, row_multiple=row_multiple)
+                             seq_multiple=seq_multiple, row_multiple=row_multiple,
+                             group_size=group_size)
+
+
+def test_minibatches_of_interleaved_rows_or_of_whole_groups():
+    assert minibatch_rows(8, 2) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert minibatch_rows(12, 3, group_size=2) == [[0, 1, 6, 7], [2, 3, 8, 9], [4, 5, 10, 11]]
+    # a rank's block of whole groups gives the mini-batches a single rank would (k = group mod M)
+    one = minibatch_rows(16, 2, group_size=4)
+    halves = [minibatch_rows(8, 2, group_size=4), minibatch_rows(8, 2, group_size=4)]
+    assert one == [sorted(halves[0][k] + [8 + j for j in halves[1][k]]) for k in range(2)]
 
 
 def test_partition_and_bins_by_hand():
@@ -210,11 +222,12 @@ def close(a, b, rel=1e-5, abs_=1e-7):
     return abs(a - b) <= rel * max(abs(a), abs(b)) + abs_
 
 
-def _cases(parallel, combos, share_prompts=True):
+def _cases(parallel, combos, share_prompts=True, split="interleaved"):
     out = []
     for algo, replay, correction in combos:
         for packing in (False, True):
-            cfg = merge(PACKING, {"algo": {"name": algo, "rollout_correction": correction},
+            cfg = merge(PACKING, {"algo": {"name": algo, "rollout_correction": correction,
+                                           "minibatch_split": split},
                                   "replay": {"mode": replay},
                                   "trainer": {"packing": packing, "share_prompts": share_prompts},
                                   "parallel": parallel, "run_dir": tempfile.mkdtemp()})
@@ -237,23 +250,36 @@ COMBOS = {"dp2": TWO_RANKS, "cp2": TWO_RANKS, "tp2_sp": TWO_RANKS}
 
 # Packed rows each feeding their whole prompt (trainer.share_prompts=false), on one rank.
 UNSHARED = [("gspo", "r2", "none"), ("grpo", "r3", "none")]
+# Mini-batches of whole groups (algo.minibatch_split=groups), on one rank and on DP=2. (On DP=2
+# R3 runs packed and padded within 1.5e-5 of each other with or without shared prompts: fp32
+# rounding that Adam's second update amplifies past the 1e-5 this test holds.)
+GROUPS = [("gspo", "r2", "none"), ("grpo", "r3", "none")]
+GROUPS_DP2 = [("grpo", "r2", "none"), ("gspo_token", "none", "none")]
 
 
 @pytest.fixture(scope="module")
 def steps():
-    one = run_layouts(1, _cases({}, ONE_RANK) + _cases({}, UNSHARED, share_prompts=False))
-    out = {"1": (ONE_RANK, one[:2 * len(ONE_RANK)]), "1-unshared": (UNSHARED, one[2 * len(ONE_RANK):])}
+    extra = {"1-unshared": (UNSHARED, dict(share_prompts=False)),
+             "1-groups": (GROUPS, dict(split="groups"))}
+    one = run_layouts(1, _cases({}, ONE_RANK) + [c for combos, kw in extra.values()
+                                                   for c in _cases({}, combos, **kw)])
+    out, start = {"1": (ONE_RANK, one[:2 * len(ONE_RANK)])}, 2 * len(ONE_RANK)
+    for name, (combos, _) in extra.items():
+        out[name] = (combos, one[start:start + 2 * len(combos)])
+        start += 2 * len(combos)
     per_case = run_layouts(2, [c for name, parallel in LAYOUTS.items()
-                               for c in _cases(parallel, COMBOS[name])])
+                               for c in _cases(parallel, COMBOS[name])]
+                           + _cases({}, GROUPS_DP2, split="groups"))
     start = 0
     for name in LAYOUTS:
         n = 2 * len(COMBOS[name])
         out[name] = (COMBOS[name], per_case[start:start + n])
         start += n
+    out["dp2-groups"] = (GROUPS_DP2, per_case[start:])
     return out
 
 
-@pytest.mark.parametrize("layout", ["1", "1-unshared", *LAYOUTS])
+@pytest.mark.parametrize("layout", ["1", "1-unshared", "1-groups", *LAYOUTS, "dp2-groups"])
 def test_packed_step_equals_padded_step(steps, layout):
     """Packed rows (a group's rows in one micro-batch feeding their prompt once, but under CP
     and with trainer.share_prompts=false) train as the padded rows do."""
@@ -278,6 +304,15 @@ def test_packed_step_equals_padded_step(steps, layout):
         # packing fed fewer micro-batches than the padded rows (2 per mini-batch on each rank
         # here: budget 40 tokens vs 2 rows of up to 29)
         assert all(n >= 1 for n in packed[0]["micro_batches"])
+
+
+def test_whole_groups_per_minibatch_feed_each_prompt_once(steps):
+    """Under algo.minibatch_split=groups a mini-batch holds all 4 rows of each of its prompts
+    (interleaved: 2 of each), so the same responses feed fewer prompt tokens."""
+    (interleaved,) = steps["1"][1][1]  # gspo + R2, packed
+    (groups,) = steps["1-groups"][1][1]
+    assert groups["tokens"] == interleaved["tokens"]
+    assert groups["fed"] < interleaved["fed"] < interleaved["tokens"]
 
 
 def test_packing_balances_tokens_over_data_parallel_ranks(steps):

@@ -4,7 +4,8 @@ Each row runs the replaced implementation (written out here as it was) and ours 
 checks that they agree, and prints the median times and their ratio:
 
 - packed attention: one SDPA call per packed sequence vs ``layers.packed_causal_attention``
-  (length buckets), forward + backward;
+  (length buckets), forward + backward; and its gathers and writes by advanced indexing vs
+  ``index_select`` / ``index_copy_``, with shared prompts;
 - Adam: torch's AdamW as Megatron builds it without Apex / TE (per-parameter loop on CPU) vs the
   fused kernel (``optim.prefer_fused_adam``);
 - non-finite check: ``isfinite(t).all()`` per gradient buffer vs one sum per buffer
@@ -72,6 +73,47 @@ def packed_attention(torch, F, repeats):
         q, k, v, bucket_plan(bounds, "cpu")))
     assert torch.allclose(before(), after(), rtol=1e-4, atol=1e-5)
     return ("packed attention, 128 sequences of 12-31 tokens, fwd+bwd",
+            timed(before, repeats), timed(after, repeats))
+
+
+def attention_gathers(torch, F, repeats):
+    """Packed attention's per-bucket gathers and output writes by advanced indexing (as they
+    were) vs ``index_select`` / ``index_copy_`` (``layers.packed_causal_attention``), on one
+    packed micro-batch of the compute shape with shared prompts: 16 prompts (8 tokens fed once)
+    x 2 rows of 2-24 tokens, 8 heads / 4 KV groups of 32."""
+    from megatron_gspo.layers import bucket_plan, packed_causal_attention
+
+    g = torch.Generator().manual_seed(0)
+    bounds, prefix_of = [0], []
+    for _ in range(16):
+        prefix = len(prefix_of)
+        bounds.append(bounds[-1] + 8)
+        prefix_of.append(-1)
+        for n in torch.randint(2, 25, (2,), generator=g).tolist():
+            bounds.append(bounds[-1] + n)
+            prefix_of.append(prefix)
+    plan = bucket_plan(tuple(bounds), "cpu", tuple(prefix_of))
+    t = bounds[-1]
+    q0, k0, v0 = (torch.randn(t, n, 32, generator=g) for n in (8, 4, 4))
+
+    def indexed(q_TND, k_TGD, v_TGD):
+        out = torch.empty_like(q_TND)
+        for b in plan:
+            q, k, v = (x[b.index].permute(0, 2, 1, 3) for x in (q_TND, k_TGD, v_TGD))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out[b.index[b.real]] = o.permute(0, 2, 1, 3)[b.real]
+        return out
+
+    def run(fn):
+        def go():
+            q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+            fn(q, k, v).square().sum().backward()
+            return q.grad, k.grad
+        return go
+
+    before, after = run(indexed), run(lambda q, k, v: packed_causal_attention(q, k, v, plan))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(before(), after()))
+    return (f"packed attention's gathers, shared prompts ({t} tokens), fwd+bwd",
             timed(before, repeats), timed(after, repeats))
 
 
@@ -235,7 +277,7 @@ def main() -> None:
     import torch.nn.functional as F
 
     torch.set_num_threads(args.threads)
-    rows = [packed_attention(torch, F, args.repeats),
+    rows = [packed_attention(torch, F, args.repeats), attention_gathers(torch, F, args.repeats),
             adam(torch, args.repeats, 1_000_000, 95), adam(torch, args.repeats, 19_000_000, 238),
             nonfinite(torch, args.repeats), seeded_sampling(torch, args.repeats, 128),
             seeded_sampling(torch, args.repeats, 151936), expert_stack(torch, args.repeats),

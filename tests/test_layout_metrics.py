@@ -9,9 +9,11 @@ import pytest
 from tests.distributed import run_layouts
 from tests.trainer_workers import SHORT, merge, train_job
 
-# Enough warm-up that some sampled responses are right: a step with real advantages.
+# Enough warm-up that some sampled responses are right: a step with real advantages. Two
+# mini-batches: each holds 2 rows of every prompt, which then share it (trainer.share_prompts).
 LEARNABLE = merge(SHORT, {"trainer": {"steps": 2, "sft_steps": 40, "sft_lr": 0.01,
                                       "keep_checkpoints": 5},
+                          "algo": {"minibatches": 2},
                           "data": {"min_len": 1, "max_len": 2}, "seed": 5})
 
 LAYOUTS = {
@@ -81,6 +83,15 @@ def test_every_logged_metric_matches_one_rank(runs, name):
     bad = {k: (ref[k], got[k]) for k in keys if not close(ref[k], got[k])}
     assert not bad, f"{name}: metrics differ from 1 rank: {bad}"
     assert ref["rollout/reward_mean"] == got["rollout/reward_mean"]
+
+
+def test_every_layout_but_cp_shares_prompts_as_one_rank_does(runs):
+    """Shared prompts (the default under packing) feed the same tokens on every layout as on one
+    rank (the units are a rank's rows of one prompt, and a group stays on its rank), fewer than
+    CP=2, where they are off and every row feeds its whole prompt."""
+    fed = {name: step_row(runs[name], 1)["perf/model_tokens"] for name in ["single", *LAYOUTS]}
+    assert all(fed[name] == fed["single"] for name in LAYOUTS if name != "cp2"), fed
+    assert fed["cp2"] > fed["single"], fed
 
 
 def test_dynamic_sampling_fills_the_batch_with_groups_that_differ(runs):

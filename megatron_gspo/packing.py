@@ -22,7 +22,8 @@ Costs are the tokens a row occupies once packed: its fed tokens rounded up to ``
 Shared prompts (``shares``): the rows of one rank and mini-batch that hold the same prompt are a
 *unit*, planned and packed together; its rows feed the prompt's first tokens once (a prefix
 segment the rows' segments attend to, ``rl_batch.Layout.packed_rows``), so the unit costs the
-shared tokens once plus each row's rest. Units are kept whole (never split over ranks or
+shared tokens once plus each row's rest. A unit over the token budget is cut into units that fit
+it (each feeding the shared tokens once); units are never split further (over ranks or
 micro-batches); without ``shares`` every row is a unit of its own.
 
 Legend: ``R`` data-parallel ranks, ``M`` mini-batches. A row is named ``(rank, index)`` by where
@@ -133,6 +134,25 @@ def units_of(rows: Sequence[Row], shares=None) -> list[list[Row]]:
     return list(units.values())
 
 
+def within_budget(units: list, lengths, shares, budget: int) -> list:
+    """``units`` with each one over ``budget`` cut, in order, into units that fit it (each
+    feeding the shared tokens once: greedy, a row over the budget alone). Two pieces of one
+    unit never fit one micro-batch together (their costs add up to more than the whole's)."""
+    out = []
+    for unit in units:
+        if len(unit) < 2 or unit_cost(unit, lengths, shares) <= budget:
+            out.append(unit)
+            continue
+        piece = []
+        for row in unit:
+            if piece and unit_cost(piece + [row], lengths, shares) > budget:
+                out.append(piece)
+                piece = []
+            piece.append(row)
+        out.append(piece)
+    return out
+
+
 def unit_cost(unit: Sequence[Row], lengths, shares=None, seq_multiple: int = 1) -> int:
     """Tokens a unit occupies once packed: with two rows or more and ``n`` > 0 shared tokens
     (``shares[r][j] = (key, n)``), ``n`` once plus each row's other tokens; otherwise each row's
@@ -159,6 +179,8 @@ def plan_step(lengths: Sequence[Sequence[int]], *, minibatches: int, budget: int
     for k in range(minibatches):
         rows = [(r, j) for r in range(ranks) for j in members[r][k]]
         units = units_of(rows, shares)
+        if shares is not None:
+            units = within_budget(units, lengths, shares, budget)
         costs = [unit_cost(u, lengths, shares, seq_multiple) for u in units]
         parts = balanced_partition(costs, ranks)
         counts = [len(first_fit_bins([costs[i] for i in s], budget, row_multiple)) for s in parts]

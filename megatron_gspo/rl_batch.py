@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -126,6 +126,19 @@ def prompt_shares(batch: RolloutBatch) -> list:
 # Layouts: which rows a micro-batch feeds, padded or packed.
 # ---------------------------------------------------------------------------------------------
 
+class _Segment(NamedTuple):
+    """One segment of a packed row: tokens from ``row``'s position ``first`` on (``real`` of
+    them, the rest padding), attending to segment ``prefix`` first (-1: none); ``owner``: the row
+    whose sequence it is (-1: a shared prefix or the padding)."""
+
+    row: int
+    first: int
+    tokens: int
+    real: int
+    prefix: int = -1
+    owner: int = -1
+
+
 @dataclass(frozen=True)
 class Layout:
     """One micro-batch's rows of the batch. Padded: ``[len(rows), S]``. Packed: one row of
@@ -162,7 +175,7 @@ class Layout:
         """``rows`` (fed tokens ``lengths[i]`` each) packed; no rows: one padding segment. The
         padding segment makes the row at least ``length`` tokens long. ``prefixes[i] = (key,
         n)``: consecutive rows of equal keys share their first ``n`` fed tokens."""
-        segments = []  # (row, first position, tokens, real tokens, prefix segment)
+        segments: list[_Segment] = []
         i = 0
         while i < len(rows):
             end = i + 1
@@ -172,27 +185,27 @@ class Layout:
             if n > 0:
                 if seq_multiple != 1:
                     raise ValueError("shared prompts need seq_multiple 1 (no context parallelism)")
-                segments.append((rows[i], 0, n, n, -1, -1))
+                segments.append(_Segment(rows[i], 0, n, n))  # the prefix, from the first row
                 prefix = len(segments) - 1
-                segments += [(rows[t], n, lengths[t] - n, lengths[t] - n, prefix, rows[t])
+                segments += [_Segment(rows[t], n, lengths[t] - n, lengths[t] - n, prefix, rows[t])
                              for t in range(i, end)]
             else:
-                segments += [(rows[t], 0, round_up(lengths[t], seq_multiple), lengths[t], -1,
-                              rows[t]) for t in range(i, end)]
+                segments += [_Segment(rows[t], 0, round_up(lengths[t], seq_multiple), lengths[t],
+                                      -1, rows[t]) for t in range(i, end)]
             i = end
-        total = sum(seg[2] for seg in segments)
+        total = sum(seg.tokens for seg in segments)
         pad = round_up(max(total, length, 1), row_multiple) - total
         if pad:
-            segments.append((-1, 0, pad, 0, -1, -1))
-        row_N = torch.cat([torch.full((seg,), r, dtype=torch.long)
-                           for r, _, seg, _, _, _ in segments])
-        pos_N = torch.cat([first + torch.arange(seg) for _, first, seg, _, _, _ in segments])
-        valid_N = torch.cat([torch.arange(seg) < real for _, _, seg, real, _, _ in segments])
-        cu = torch.tensor([0] + [seg[2] for seg in segments], dtype=torch.int32).cumsum(
+            segments.append(_Segment(-1, 0, pad, 0))
+        row_N = torch.cat([torch.full((seg.tokens,), seg.row, dtype=torch.long)
+                           for seg in segments])
+        pos_N = torch.cat([seg.first + torch.arange(seg.tokens) for seg in segments])
+        valid_N = torch.cat([torch.arange(seg.tokens) < seg.real for seg in segments])
+        cu = torch.tensor([0] + [seg.tokens for seg in segments], dtype=torch.int32).cumsum(
             0, dtype=torch.int32)
         return Layout(tuple(rows), cu, row_N, pos_N, valid_N,
-                      segment_rows=tuple(seg[5] for seg in segments),
-                      prefix_of=tuple(seg[4] for seg in segments))
+                      segment_rows=tuple(seg.owner for seg in segments),
+                      prefix_of=tuple(seg.prefix for seg in segments))
 
     @property
     def num_segments(self) -> int:

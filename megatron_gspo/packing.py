@@ -48,7 +48,7 @@ def minibatch_rows(num_rows: int, minibatches: int, group_size: int = 0) -> list
     data-parallel split of the batch (each rank holds a contiguous block of whole groups):
 
     - interleaved (``group_size`` 0): every ``minibatches``-th row, so each mini-batch holds
-      ``group_size / minibatches`` rows of every prompt;
+      G / ``minibatches`` rows of every prompt's G;
     - whole groups (``group_size`` G, ``algo.minibatch_split=groups``): the rows of every
       ``minibatches``-th group (as verl and slime split a batch), the split under which a
       group's prompt is fed once for all its rows (``trainer.share_prompts``)."""

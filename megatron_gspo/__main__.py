@@ -30,6 +30,13 @@ def check_group_choices(argv: list[str], conf_dir: str = CONF_DIR) -> None:
                                   f"of {', '.join(valid)}")
 
 
+def _report(line: str) -> None:
+    """One line on stderr in a single write: every rank of a multi-rank job reports the same
+    error, and two ranks' lines must not interleave."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from megatron_gspo import faults, trainer
@@ -45,17 +52,17 @@ def main(cfg: DictConfig) -> None:
         job = job_from_omegaconf(cfg)
         trainer.train(job)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        _report(f"config error: {e}")
         sys.exit(faults.CONFIG_EXIT_CODE)
     except (PromptDataError, TokenizerError) as e:  # before any work: data and tokenizer first
-        print(f"data error: {e}", file=sys.stderr)
+        _report(f"data error: {e}")
         sys.exit(faults.CONFIG_EXIT_CODE)
     except faults.StopRequested as e:
-        print(f"stopped by {e.signame}: checkpoint {e.checkpoint}; exit {faults.REQUEUE_EXIT_CODE} "
-              "(requeue to resume)", file=sys.stderr, flush=True)
+        _report(f"stopped by {e.signame}: checkpoint {e.checkpoint}; exit "
+                f"{faults.REQUEUE_EXIT_CODE} (requeue to resume)")
         sys.exit(faults.REQUEUE_EXIT_CODE)
     except faults.NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _report(f"error: {e}")
         sys.exit(faults.NONFINITE_EXIT_CODE)
     finally:
         try:
@@ -68,7 +75,7 @@ def entry() -> None:
     try:
         check_group_choices(sys.argv[1:])
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        _report(f"config error: {e}")
         sys.exit(2)
     main()
 

@@ -125,27 +125,35 @@ class StepPlan:
 def units_of(rows: Sequence[Row], shares=None) -> list[list[Row]]:
     """``rows`` grouped into units: the rows of one rank whose ``shares[r][j]`` keys are equal
     (in order of first appearance, each unit's rows in their order); singletons without
-    ``shares``."""
+    ``shares`` and for rows that share no token (``n`` = 0: a one-token prompt), which then
+    balance over ranks and micro-batches as rows do without sharing."""
     if shares is None:
         return [[row] for row in rows]
     units: dict = {}
     for r, j in rows:
-        units.setdefault((r, shares[r][j][0]), []).append((r, j))
+        key, n = shares[r][j]
+        units.setdefault((r, key) if n > 0 else (r, None, j), []).append((r, j))
     return list(units.values())
 
 
-def within_budget(units: list, lengths, shares, budget: int) -> list:
-    """``units`` with each one over ``budget`` cut, in order, into units that fit it (each
-    feeding the shared tokens once: greedy, a row over the budget alone). Two pieces of one
-    unit never fit one micro-batch together (their costs add up to more than the whole's)."""
+def within_budget(units: list, lengths, shares, budget: int, row_multiple: int = 1) -> list:
+    """``units`` with each one over ``budget`` (its packed length rounded up to ``row_multiple``)
+    cut, in order, into units that fit it (each feeding the shared tokens once: greedy, a row
+    over the budget alone). Pieces of one unit may later share a micro-batch; its layout then
+    feeds their prompt once again (``units_of`` over the micro-batch's rows), so the plan's
+    costs are an upper bound of what it feeds."""
+
+    def fits(unit) -> bool:
+        return round_up(unit_cost(unit, lengths, shares), row_multiple) <= budget
+
     out = []
     for unit in units:
-        if len(unit) < 2 or unit_cost(unit, lengths, shares) <= budget:
+        if len(unit) < 2 or fits(unit):
             out.append(unit)
             continue
         piece = []
         for row in unit:
-            if piece and unit_cost(piece + [row], lengths, shares) > budget:
+            if piece and not fits(piece + [row]):
                 out.append(piece)
                 piece = []
             piece.append(row)
@@ -180,7 +188,7 @@ def plan_step(lengths: Sequence[Sequence[int]], *, minibatches: int, budget: int
         rows = [(r, j) for r in range(ranks) for j in members[r][k]]
         units = units_of(rows, shares)
         if shares is not None:
-            units = within_budget(units, lengths, shares, budget)
+            units = within_budget(units, lengths, shares, budget, row_multiple)
         costs = [unit_cost(u, lengths, shares, seq_multiple) for u in units]
         parts = balanced_partition(costs, ranks)
         counts = [len(first_fit_bins([costs[i] for i in s], budget, row_multiple)) for s in parts]

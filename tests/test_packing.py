@@ -145,6 +145,23 @@ def test_a_unit_over_the_budget_is_cut_into_units_that_fit(group_size):
         assert layout.fed_tokens(None) == sum(lengths[0][j] for _, j in mb) - 100
 
 
+def test_rows_sharing_no_token_balance_as_rows_and_rounded_units_keep_the_budget():
+    """A one-token prompt shares nothing (n = 0): its rows are single units, so the plan balances
+    them over ranks as without sharing (26 / 26 tokens, not one unit of 40 against 12). A unit
+    whose packed length rounded up to ``row_multiple`` passes the budget is cut: rows of 5 and 6
+    fed tokens sharing 2 cost 9, packed as 10 with sequence parallelism of 2, over a budget of 9."""
+    lengths = [[10] * 4, [3] * 4]  # two ranks' rows
+    plan = plan_step(lengths, minibatches=1, budget=64, shares=[[(0, 0)] * 4, [(0, 0)] * 4])
+    fed = [sum(lengths[src][j] for mb in plan.micro[r][0] for src, j in mb) for r in range(2)]
+    assert fed == [26, 26] and plan == plan_step(lengths, minibatches=1, budget=64)
+    cut = plan_step([[5, 6]], minibatches=1, budget=9, row_multiple=2,
+                    shares=[[(0, 2), (0, 2)]])
+    assert [len(mb) for mb in cut.micro[0][0]] == [1, 1]
+    whole = plan_step([[5, 6]], minibatches=1, budget=10, row_multiple=2,
+                      shares=[[(0, 2), (0, 2)]])
+    assert [len(mb) for mb in whole.micro[0][0]] == [2]
+
+
 def test_a_shared_prompt_layout_feeds_the_prefix_once_and_covers_every_target():
     values = torch.arange(4 * 8, dtype=torch.float32).reshape(4, 8) + 1
     # rows 3 and 1 share 3 prompt tokens (fed lengths 5 and 7), row 0 stands alone (4 tokens)

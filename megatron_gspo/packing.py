@@ -140,8 +140,8 @@ def within_budget(units: list, lengths, shares, budget: int, row_multiple: int =
     """``units`` with each one over ``budget`` (its packed length rounded up to ``row_multiple``)
     cut, in order, into units that fit it (each feeding the shared tokens once: greedy, a row
     over the budget alone). Pieces of one unit may later share a micro-batch; its layout then
-    feeds their prompt once again (``units_of`` over the micro-batch's rows), so the plan's
-    costs are an upper bound of what it feeds."""
+    feeds their prompt only once for all of them (``units_of`` over the micro-batch's rows), so
+    the plan's costs are an upper bound of what it feeds."""
 
     def fits(unit) -> bool:
         return round_up(unit_cost(unit, lengths, shares), row_multiple) <= budget

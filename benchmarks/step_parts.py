@@ -4,8 +4,9 @@ Each row runs the replaced implementation (written out here as it was) and ours 
 checks that they agree, and prints the median times and their ratio:
 
 - packed attention: one SDPA call per packed sequence vs ``layers.packed_causal_attention``
-  (length buckets), forward + backward; and its gathers and writes by advanced indexing vs
-  ``index_select`` / ``index_copy_``, with shared prompts;
+  (length buckets), forward + backward; its gathers and writes by advanced indexing vs
+  ``index_select`` / ``index_copy_``, with shared prompts; and its buckets through SDPA's CPU
+  kernel vs ``layers.short_causal_attention``;
 - Adam: torch's AdamW as Megatron builds it without Apex / TE (per-parameter loop on CPU) vs the
   fused kernel (``optim.prefer_fused_adam``);
 - non-finite check: ``isfinite(t).all()`` per gradient buffer vs one sum per buffer
@@ -76,12 +77,10 @@ def packed_attention(torch, F, repeats):
             timed(before, repeats), timed(after, repeats))
 
 
-def attention_gathers(torch, F, repeats):
-    """Packed attention's per-bucket gathers and output writes by advanced indexing (as they
-    were) vs ``index_select`` / ``index_copy_`` (``layers.packed_causal_attention``), on one
-    packed micro-batch of the compute shape with shared prompts: 16 prompts (8 tokens fed once)
-    x 2 rows of 2-24 tokens, 8 heads / 4 KV groups of 32."""
-    from megatron_gspo.layers import bucket_plan, packed_causal_attention
+def _shared_prompt_batch(torch):
+    """One packed micro-batch of the compute shape with shared prompts: 16 prompts (8 tokens fed
+    once) x 2 rows of 2-24 tokens, 8 heads / 4 KV groups of 32: its plan and q, k, v."""
+    from megatron_gspo.layers import bucket_plan
 
     g = torch.Generator().manual_seed(0)
     bounds, prefix_of = [0], []
@@ -94,7 +93,24 @@ def attention_gathers(torch, F, repeats):
             prefix_of.append(prefix)
     plan = bucket_plan(tuple(bounds), "cpu", tuple(prefix_of))
     t = bounds[-1]
-    q0, k0, v0 = (torch.randn(t, n, 32, generator=g) for n in (8, 4, 4))
+    return plan, [torch.randn(t, n, 32, generator=g) for n in (8, 4, 4)]
+
+
+def _fwd_bwd(fn, qkv):
+    def go():
+        q, k, v = (x.clone().requires_grad_() for x in qkv)
+        fn(q, k, v).square().sum().backward()
+        return q.grad, k.grad, v.grad
+    return go
+
+
+def attention_gathers(torch, F, repeats):
+    """Packed attention's per-bucket gathers and output writes by advanced indexing (as they
+    were) vs ``index_select`` / ``index_copy_`` (``layers.packed_causal_attention``), on
+    ``_shared_prompt_batch``, both with SDPA's kernel (``short_keys`` 0)."""
+    from megatron_gspo.layers import packed_causal_attention
+
+    plan, qkv = _shared_prompt_batch(torch)
 
     def indexed(q_TND, k_TGD, v_TGD):
         out = torch.empty_like(q_TND)
@@ -104,17 +120,40 @@ def attention_gathers(torch, F, repeats):
             out[b.index[b.real]] = o.permute(0, 2, 1, 3)[b.real]
         return out
 
-    def run(fn):
-        def go():
-            q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
-            fn(q, k, v).square().sum().backward()
-            return q.grad, k.grad
-        return go
+    def selected(q, k, v):
+        return packed_causal_attention(q, k, v, plan, short_keys=0)
 
-    before, after = run(indexed), run(lambda q, k, v: packed_causal_attention(q, k, v, plan))
+    before, after = _fwd_bwd(indexed, qkv), _fwd_bwd(selected, qkv)
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(before(), after()))
-    return (f"packed attention's gathers, shared prompts ({t} tokens), fwd+bwd",
+    return (f"packed attention's gathers, shared prompts ({qkv[0].shape[0]} tokens), fwd+bwd",
             timed(before, repeats), timed(after, repeats))
+
+
+def short_attention(torch, F, repeats):
+    """Packed attention's buckets through SDPA's kernel (as they were) vs
+    ``layers.short_causal_attention`` (matmuls and a softmax, buckets of <= ``SHORT_KEYS``
+    keys), on ``_shared_prompt_batch``."""
+    from megatron_gspo.layers import packed_causal_attention
+
+    plan, qkv = _shared_prompt_batch(torch)
+
+    def sdpa(q_TND, k_TGD, v_TGD):
+        out = torch.empty_like(q_TND)
+        for b in plan:
+            n, m = b.index.shape
+            q, k, v = (x.index_select(0, b.keys).view(n, m, *x.shape[1:]).permute(0, 2, 1, 3)
+                       for x in (q_TND, k_TGD, v_TGD))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            o = o.permute(0, 2, 1, 3).reshape(n * m, *q_TND.shape[1:])
+            out.index_copy_(0, b.rows, o.index_select(0, b.outputs))
+        return out
+
+    before = _fwd_bwd(sdpa, qkv)
+    after = _fwd_bwd(lambda q, k, v: packed_causal_attention(q, k, v, plan), qkv)
+    # gradients up to ~35 here: fp32 rounding of a different summation order
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-4) for a, b in zip(before(), after()))
+    return (f"packed attention's buckets, SDPA kernel vs matmuls ({qkv[0].shape[0]} tokens), "
+            "fwd+bwd", timed(before, repeats), timed(after, repeats))
 
 
 def adam(torch, repeats, numel, tensors):
@@ -278,6 +317,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     rows = [packed_attention(torch, F, args.repeats), attention_gathers(torch, F, args.repeats),
+            short_attention(torch, F, args.repeats),
             adam(torch, args.repeats, 1_000_000, 95), adam(torch, args.repeats, 19_000_000, 238),
             nonfinite(torch, args.repeats), seeded_sampling(torch, args.repeats, 128),
             seeded_sampling(torch, args.repeats, 151936), expert_stack(torch, args.repeats),

@@ -1,7 +1,7 @@
 """The RL step's parts changed after profiling, each timed against the code it replaced.
 
 Each row runs the replaced implementation (written out here as it was) and ours on the same inputs,
-checks that they agree, and prints the median times and their ratio:
+checks that they agree, and prints the median times (the two run alternately) and their ratio:
 
 - packed attention: one SDPA call per packed sequence vs ``layers.packed_causal_attention``
   (length buckets), forward + backward; its gathers and writes by advanced indexing vs
@@ -38,14 +38,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-def timed(fn, repeats: int) -> float:
-    fn()
-    times = []
+def timed(before, after, repeats: int) -> tuple:
+    """Median seconds of ``before()`` and of ``after()``, run alternately (after one warm-up
+    call each), so that a drift of the machine's speed weighs on both alike."""
+    before(), after()
+    times = ([], [])
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, out in zip((before, after), times):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def packed_attention(torch, F, repeats):
@@ -74,7 +77,7 @@ def packed_attention(torch, F, repeats):
         q, k, v, bucket_plan(bounds, "cpu")))
     assert torch.allclose(before(), after(), rtol=1e-4, atol=1e-5)
     return ("packed attention, 128 sequences of 12-31 tokens, fwd+bwd",
-            timed(before, repeats), timed(after, repeats))
+            *timed(before, after, repeats))
 
 
 def _shared_prompt_batch(torch):
@@ -126,7 +129,7 @@ def attention_gathers(torch, F, repeats):
     before, after = _fwd_bwd(indexed, qkv), _fwd_bwd(selected, qkv)
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(before(), after()))
     return (f"packed attention's gathers, shared prompts ({qkv[0].shape[0]} tokens), fwd+bwd",
-            timed(before, repeats), timed(after, repeats))
+            *timed(before, after, repeats))
 
 
 def short_attention(torch, F, repeats):
@@ -153,7 +156,7 @@ def short_attention(torch, F, repeats):
     # gradients up to ~35 here: fp32 rounding of a different summation order
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-4) for a, b in zip(before(), after()))
     return (f"packed attention's buckets, SDPA kernel vs matmuls ({qkv[0].shape[0]} tokens), "
-            "fwd+bwd", timed(before, repeats), timed(after, repeats))
+            "fwd+bwd", *timed(before, after, repeats))
 
 
 def adam(torch, repeats, numel, tensors):
@@ -174,7 +177,7 @@ def adam(torch, repeats, numel, tensors):
     opt_b.step()
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(ps_a, ps_b))
     return (f"Adam step, {numel / 1e6:.0f}M parameters in {tensors} tensors",
-            timed(opt_a.step, repeats), timed(opt_b.step, repeats))
+            *timed(opt_a.step, opt_b.step, repeats))
 
 
 def nonfinite(torch, repeats):
@@ -187,8 +190,7 @@ def nonfinite(torch, repeats):
         return bool(torch.isfinite(torch.stack([t.sum() for t in buffers])).all())
 
     assert before() and after()
-    return "non-finite check, 19M gradients in 2 buffers", timed(before, repeats), timed(after,
-                                                                                        repeats)
+    return ("non-finite check, 19M gradients in 2 buffers", *timed(before, after, repeats))
 
 
 def seeded_sampling(torch, repeats, vocab):
@@ -208,9 +210,9 @@ def seeded_sampling(torch, repeats, vocab):
         return (torch.log_softmax(logits, -1) + noise).argmax(-1)
 
     seeds_t = torch.tensor(seeds)
-    return (f"seeded sampling, 128 rows x {vocab} ids, one decoding step", timed(before, repeats),
-            timed(lambda: sample_next(logits, params, uniform_B=row_uniform(seeds_t, 5)),
-                  repeats))
+    return (f"seeded sampling, 128 rows x {vocab} ids, one decoding step",
+            *timed(before, lambda: sample_next(logits, params, uniform_B=row_uniform(seeds_t, 5)),
+                   repeats))
 
 
 def expert_stack(torch, repeats):
@@ -230,8 +232,8 @@ def expert_stack(torch, repeats):
             for w in cache:
                 w[0], w[1]
 
-    return ("expert weight stacks of a 24-token rollout (compute shape)", timed(before, repeats),
-            timed(after, repeats))
+    return ("expert weight stacks of a 24-token rollout (compute shape)",
+            *timed(before, after, repeats))
 
 
 def entropy(torch, repeats, vocab):
@@ -253,7 +255,7 @@ def entropy(torch, repeats, vocab):
 
     assert torch.allclose(run(False)(), run(True)())
     return (f"log-probs + entropy fwd+bwd, 1024 tokens x {vocab} vocab, entropy_coef 0",
-            timed(run(False), repeats), timed(run(True), repeats))
+            *timed(run(False), run(True), repeats))
 
 
 def rope(torch, repeats, packed):
@@ -303,8 +305,8 @@ def rope(torch, repeats, packed):
     assert torch.equal(run(rope_utils.apply_rotary_pos_emb)(), run(attention.apply_rotary_pos_emb)())
     name = (f"RoPE, packed micro-batch of 32 sequences ({q0.shape[0]} tokens), 6 layers, fwd+bwd"
             if packed else "RoPE, one decoding step of 128 rows, 6 layers")
-    return (name, timed(run(rope_utils.apply_rotary_pos_emb), repeats),
-            timed(run(attention.apply_rotary_pos_emb), repeats))
+    return (name, *timed(run(rope_utils.apply_rotary_pos_emb),
+                         run(attention.apply_rotary_pos_emb), repeats))
 
 
 def main() -> None:
@@ -323,7 +325,8 @@ def main() -> None:
             seeded_sampling(torch, args.repeats, 151936), expert_stack(torch, args.repeats),
             entropy(torch, args.repeats, 32768), rope(torch, args.repeats, False),
             rope(torch, args.repeats, True)]
-    print(f"{args.threads} threads, median of {args.repeats} (ms); before = the replaced code")
+    print(f"{args.threads} threads, median of {args.repeats}, before and after run alternately (ms); "
+          "before = the replaced code")
     print(f"{'part':72s} {'before':>9s} {'after':>9s} {'speed-up':>9s}")
     for name, before, after in rows:
         print(f"{name:72s} {1e3 * before:9.1f} {1e3 * after:9.1f} {before / after:8.1f}x")

@@ -153,10 +153,10 @@ SHORT_KEYS = 128
 
 def short_causal_attention(q_BMND, k_BMGD, v_BMGD, scale=None):
     """Causal attention of ``b`` sequences of ``M`` tokens as two batched matmuls and a softmax,
-    ``[b, M, N, D]`` out: SDPA's exact CPU kernel works in blocks of at least 32 queries and 512
-    keys and loses to plain matmuls on the short sequences of RL micro-batches (about 1.5x forward
-    + backward at 30 tokens). The ``r = N / G`` query heads of a KV group are stacked along the
-    query positions (``[b, G, r * M, D]``), so K and V are used once per group, never repeated;
+    ``[b, M, N, D]`` out: SDPA's CPU kernel loses to plain matmuls on the short sequences of RL
+    micro-batches (1.2-1.4x forward + backward on a compute-shape micro-batch of 6-33 keys per
+    sequence, ``benchmarks/step_parts.py``). The ``r = N / G`` query heads of a KV group are
+    stacked along the query positions (``[b, G, r * M, D]``), so K and V are used once per group;
     the causal rule is an additive 0 / -inf bias, tiled ``r`` times and added by the first
     matmul together with the scale. Memory: the ``[b, N, M, M]`` probabilities are kept for the
     backward (SDPA keeps a log-sum-exp per query), hence the bound on ``M``."""

@@ -325,8 +325,8 @@ def main() -> None:
             seeded_sampling(torch, args.repeats, 151936), expert_stack(torch, args.repeats),
             entropy(torch, args.repeats, 32768), rope(torch, args.repeats, False),
             rope(torch, args.repeats, True)]
-    print(f"{args.threads} threads, median of {args.repeats}, before and after run alternately (ms); "
-          "before = the replaced code")
+    print(f"{args.threads} threads, median of {args.repeats}, before and after run alternately "
+          "(ms); before = the replaced code")
     print(f"{'part':72s} {'before':>9s} {'after':>9s} {'speed-up':>9s}")
     for name, before, after in rows:
         print(f"{name:72s} {1e3 * before:9.1f} {1e3 * after:9.1f} {before / after:8.1f}x")

@@ -127,7 +127,7 @@ def packed_causal_attention(q_TND, k_TGD, v_TGD, plan, *, scale=None, dropout_p=
     work is about that of the sequences' own lengths (sum of L^2), not the packed row's (T^2)
     that a block-diagonal mask over the whole row would cost, in a few calls instead of one per
     sequence. On CPU, buckets of at most ``short_keys`` keys (default ``SHORT_KEYS``) go through
-    ``short_causal_attention`` instead (without dropout)."""
+    ``short_causal_attention`` instead (fp32 / fp64, without dropout)."""
     out = torch.empty_like(q_TND)
     n, g = q_TND.shape[1], k_TGD.shape[1]
     short_keys = SHORT_KEYS if short_keys is None else short_keys
@@ -135,7 +135,8 @@ def packed_causal_attention(q_TND, k_TGD, v_TGD, plan, *, scale=None, dropout_p=
         b, m = bucket.index.shape  # index_add / index_select, far cheaper than advanced indexing's)
         q, k, v = (t.index_select(0, bucket.keys).view(b, m, *t.shape[1:])
                    for t in (q_TND, k_TGD, v_TGD))  # [b, M, N, D]
-        if q.device.type == "cpu" and dropout_p == 0.0 and m <= short_keys:
+        if (q.device.type == "cpu" and q.dtype in FULL_PRECISION and dropout_p == 0.0
+                and m <= short_keys):
             o = short_causal_attention(q, k, v, scale)
         else:
             o = F.scaled_dot_product_attention(
@@ -147,8 +148,10 @@ def packed_causal_attention(q_TND, k_TGD, v_TGD, plan, *, scale=None, dropout_p=
 
 
 # Keys per sequence up to which ``short_causal_attention`` replaces SDPA on CPU (benchmarks/
-# step_parts.py: fewer keys, larger gain; about even at 128).
+# step_parts.py: fewer keys, larger gain; about even at 128), for the dtypes whose softmax it
+# computes in their own precision (SDPA's CPU kernel accumulates bf16 / fp16 in fp32).
 SHORT_KEYS = 128
+FULL_PRECISION = (torch.float32, torch.float64)
 
 
 def short_causal_attention(q_BMND, k_BMGD, v_BMGD, scale=None):

@@ -62,6 +62,23 @@ def test_packed_causal_attention_equals_each_sequence_alone_with_gradients(short
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # fp32 rounding, not masking
 
 
+def test_packed_attention_keeps_sdpa_for_half_precision():
+    """bf16 buckets stay on SDPA's kernel (which accumulates in fp32): the same bits as with the
+    short-bucket path switched off; fp32 ones take the matmuls (not the same bits)."""
+    import torch
+
+    from megatron_gspo.layers import bucket_plan, packed_causal_attention
+
+    g = torch.Generator().manual_seed(2)
+    plan = bucket_plan([0, 5, 12, 20], "cpu")
+    q, k, v = (torch.randn(20, n, 8, generator=g) for n in (4, 2, 2))
+    half = [t.bfloat16() for t in (q, k, v)]
+    assert torch.equal(packed_causal_attention(*half, plan),
+                       packed_causal_attention(*half, plan, short_keys=0))
+    assert not torch.equal(packed_causal_attention(q, k, v, plan),
+                           packed_causal_attention(q, k, v, plan, short_keys=0))
+
+
 @pytest.mark.parametrize("heads,groups,scale", [(8, 4, None), (4, 4, 0.3), (6, 1, None)])
 def test_short_causal_attention_is_the_written_out_formula(heads, groups, scale):
     """softmax(Q K^T * scale + causal -inf) V per query head, K and V of its group (head h uses

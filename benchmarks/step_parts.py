@@ -5,8 +5,9 @@ checks that they agree, and prints the median times (the two run alternately) an
 
 - packed attention: one SDPA call per packed sequence vs ``layers.packed_causal_attention``
   (length buckets), forward + backward; its gathers and writes by advanced indexing vs
-  ``index_select`` / ``index_copy_``, with shared prompts; and its buckets through SDPA's CPU
-  kernel vs ``layers.short_causal_attention``;
+  ``index_select`` / ``index_copy_``, with shared prompts; its buckets through SDPA's CPU
+  kernel vs ``layers.short_causal_attention``; and its bucket plan built per sequence vs by
+  whole-bucket operations;
 - Adam: torch's AdamW as Megatron builds it without Apex / TE (per-parameter loop on CPU) vs the
   fused kernel (``optim.prefer_fused_adam``);
 - non-finite check: ``isfinite(t).all()`` per gradient buffer vs one sum per buffer
@@ -157,6 +158,53 @@ def short_attention(torch, F, repeats):
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-4) for a, b in zip(before(), after()))
     return (f"packed attention's buckets, SDPA kernel vs matmuls ({qkv[0].shape[0]} tokens), "
             "fwd+bwd", *timed(before, after, repeats))
+
+
+def plan(torch, repeats):
+    """A packed micro-batch's bucket plan (``layers.bucket_plan``, once per micro-batch), built
+    sequence by sequence (as it was) vs by whole-bucket operations, for a tiny-shape micro-batch
+    with shared prompts: 16 prompts of 6 tokens x 2 rows of 2-8 tokens."""
+    from megatron_gspo.layers import Bucket, bucket_plan, length_buckets
+
+    g = torch.Generator().manual_seed(0)
+    bounds, prefix_of = [0], []
+    for _ in range(16):
+        prefix = len(prefix_of)
+        bounds.append(bounds[-1] + 6)
+        prefix_of.append(-1)
+        for n in torch.randint(2, 9, (2,), generator=g).tolist():
+            bounds.append(bounds[-1] + n)
+            prefix_of.append(prefix)
+    bounds, prefix_of = tuple(bounds), tuple(prefix_of)
+
+    def per_sequence():
+        starts, lengths = bounds[:-1], [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        spans = [n + (lengths[p] if p >= 0 else 0) for n, p in zip(lengths, prefix_of)]
+        out = []
+        for bucket in length_buckets(spans):
+            m = spans[bucket[0]]
+            index = torch.zeros(len(bucket), m, dtype=torch.long)
+            real = torch.zeros(len(bucket), m, dtype=torch.bool)
+            for row, i in enumerate(bucket):
+                keys = torch.arange(starts[i], starts[i] + lengths[i])
+                if prefix_of[i] >= 0:
+                    p = prefix_of[i]
+                    keys = torch.cat([torch.arange(starts[p], starts[p] + lengths[p]), keys])
+                index[row] = keys[0]
+                index[row, :len(keys)] = keys
+                real[row, len(keys) - lengths[i]:len(keys)] = True
+            outputs = real.reshape(-1).nonzero()[:, 0]
+            out.append(Bucket(index, real, index.reshape(-1), outputs,
+                              index.reshape(-1)[outputs]))
+        return out
+
+    def whole_buckets():
+        return bucket_plan(bounds, "cpu", prefix_of)
+
+    assert all(torch.equal(getattr(a, f), getattr(b, f))
+               for a, b in zip(per_sequence(), whole_buckets()) for f in Bucket.__annotations__)
+    return (f"bucket plan of a micro-batch with shared prompts ({len(prefix_of)} sequences)",
+            *timed(per_sequence, whole_buckets, repeats))
 
 
 def adam(torch, repeats, numel, tensors):
@@ -319,7 +367,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     rows = [packed_attention(torch, F, args.repeats), attention_gathers(torch, F, args.repeats),
-            short_attention(torch, F, args.repeats),
+            short_attention(torch, F, args.repeats), plan(torch, args.repeats),
             adam(torch, args.repeats, 1_000_000, 95), adam(torch, args.repeats, 19_000_000, 238),
             nonfinite(torch, args.repeats), seeded_sampling(torch, args.repeats, 128),
             seeded_sampling(torch, args.repeats, 151936), expert_stack(torch, args.repeats),

@@ -79,23 +79,23 @@ def bucket_plan(bounds, device, prefix_of=()) -> list:
     """The ``Bucket``s of a packed row (``bounds``: cumulative sequence lengths as Python ints),
     by length (``length_buckets``). A sequence with a shared prefix (``prefix_of[i]`` >= 0,
     ``forward.PackedRows``) has the prefix's tokens as its first keys, not as outputs (the prefix
-    is a sequence of its own, which gives them)."""
+    is a sequence of its own, which gives them). Each bucket is built by a few whole-bucket
+    operations, not per sequence (this runs once per micro-batch, on the host)."""
     starts, lengths = bounds[:-1], [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     prefix_of = prefix_of or (-1,) * len(lengths)
     spans = [n + (lengths[p] if p >= 0 else 0) for n, p in zip(lengths, prefix_of)]
     plan = []
     for bucket in length_buckets(spans):
-        m = spans[bucket[0]]
-        index = torch.zeros(len(bucket), m, dtype=torch.long)
-        real = torch.zeros(len(bucket), m, dtype=torch.bool)
-        for row, i in enumerate(bucket):
-            keys = torch.arange(starts[i], starts[i] + lengths[i])
-            if prefix_of[i] >= 0:
-                p = prefix_of[i]
-                keys = torch.cat([torch.arange(starts[p], starts[p] + lengths[p]), keys])
-            index[row] = keys[0]
-            index[row, :len(keys)] = keys
-            real[row, len(keys) - lengths[i]:len(keys)] = True
+        own_start, own_len, pre_start, pre_len = torch.tensor(
+            [(starts[i], lengths[i], starts[p] if p >= 0 else 0, lengths[p] if p >= 0 else 0)
+             for i, p in ((i, prefix_of[i]) for i in bucket)], dtype=torch.long).unbind(1)
+        j = torch.arange(spans[bucket[0]])[None, :]  # [b, M]: key slot j of each sequence
+        in_prefix = j < pre_len[:, None]
+        real = ~in_prefix & (j < (pre_len + own_len)[:, None])
+        index = torch.where(in_prefix, pre_start[:, None] + j,
+                            own_start[:, None] + j - pre_len[:, None])
+        first = torch.where(pre_len > 0, pre_start, own_start)  # padding repeats the first key
+        index = torch.where(in_prefix | real, index, first[:, None])
         outputs = real.reshape(-1).nonzero()[:, 0]
         plan.append(Bucket(*(t.to(device) for t in (index, real, index.reshape(-1), outputs,
                                                      index.reshape(-1)[outputs]))))

@@ -24,6 +24,25 @@ def test_length_buckets_cover_every_sequence_within_the_ratio():
         assert all(2 * lengths[i] >= lengths[b[0]] for i in b)
 
 
+def test_bucket_plan_of_shared_prefixes_written_out():
+    """Row tokens 0-2 a prompt, 3-4 a response to it, an empty response to it, 5-8 a sequence
+    of its own: one bucket of 5 key slots, each sequence's keys (its prompt's first), padded
+    with its first key; outputs only at its own tokens."""
+    import torch
+
+    from megatron_gspo.layers import bucket_plan
+
+    (bucket,) = bucket_plan((0, 3, 5, 5, 9), "cpu", (-1, 0, 0, -1))
+    assert bucket.index.tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 5], [0, 1, 2, 0, 0],
+                                     [0, 1, 2, 0, 0]]
+    assert bucket.real.int().tolist() == [[0, 0, 0, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 0, 0],
+                                          [0, 0, 0, 0, 0]]
+    assert bucket.keys.tolist() == bucket.index.reshape(-1).tolist()
+    assert bucket.outputs.tolist() == [3, 4, 5, 6, 7, 8, 10, 11, 12]
+    assert bucket.rows.tolist() == [3, 4, 5, 6, 7, 8, 0, 1, 2]
+    assert bucket.index.dtype == bucket.outputs.dtype == torch.long
+
+
 @pytest.mark.parametrize("short_keys", [0, None], ids=["sdpa-kernel", "short-matmuls"])
 def test_packed_causal_attention_equals_each_sequence_alone_with_gradients(short_keys):
     """Buckets of right-padded sequences: outputs and the gradients of q, k, v equal causal SDPA

@@ -8,6 +8,8 @@ checks that they agree, and prints the median times (the two run alternately) an
   ``index_select`` / ``index_copy_``, with shared prompts; its buckets through SDPA's CPU
   kernel vs ``layers.short_causal_attention``; and its bucket plan built per sequence vs by
   whole-bucket operations;
+- batch building: the step's rows and packed layouts per sample and segment vs by whole-batch
+  operations (``rl_batch.build_batch``, ``Layout.packed_rows``);
 - Adam: torch's AdamW as Megatron builds it without Apex / TE (per-parameter loop on CPU) vs the
   fused kernel (``optim.prefer_fused_adam``);
 - non-finite check: ``isfinite(t).all()`` per gradient buffer vs one sum per buffer
@@ -207,6 +209,68 @@ def plan(torch, repeats):
             *timed(per_sequence, whole_buckets, repeats))
 
 
+def batch_building(torch, repeats):
+    """A tiny step's batch (128 samples: 16 prompts of 6 tokens x 8 responses of 1-8 tokens)
+    padded into rows (``rl_batch.build_batch``) and packed into 4 micro-batch layouts of 32 rows
+    (``Layout.packed_rows``, shared prompts): per sample and per segment (as it was) vs by
+    whole-batch operations. (The trainer also sends every row's values through
+    ``exchange_rows``, which now gathers them from whole-batch tables instead of per row.)"""
+    from megatron_gspo.rl_batch import Layout, _Segment, build_batch
+    from megatron_gspo.rollout.types import Sample
+
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for k in range(16):
+        prompt = torch.randint(1, 100, (6,), generator=g).tolist()
+        for n in torch.randint(1, 9, (8,), generator=g).tolist():
+            samples.append(Sample(prompt, torch.randint(1, 100, (n,), generator=g).tolist(),
+                                  torch.randn(n, generator=g), "stop"))
+    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples) - 1
+    zeros = torch.zeros(len(samples))
+    groups = [list(range(m, m + 32)) for m in range(0, 128, 32)]
+
+    def segments_of(rows, lengths):  # packed_rows' segments, shared prompts of 5 tokens
+        segs = [_Segment(rows[0], 0, 5, 5)]
+        return segs + [_Segment(r, 5, n - 5, n - 5, 0, r) for r, n in zip(rows, lengths)]
+
+    def per_sample():
+        b = len(samples)
+        tokens = torch.full((b, width + 1), 0, dtype=torch.long)
+        mask, engine_logp = torch.zeros(b, width), torch.zeros(b, width)
+        lengths = torch.zeros(b, dtype=torch.long)
+        for i, s in enumerate(samples):
+            p, r = len(s.prompt_ids), len(s.response_ids)
+            tokens[i, :p + r] = torch.tensor(list(s.prompt_ids) + list(s.response_ids))
+            mask[i, p - 1:p - 1 + r] = 1.0
+            engine_logp[i, p - 1:p - 1 + r] = s.logprobs_R.float()
+            lengths[i] = p + r - 1
+        out = [tokens, mask, engine_logp, lengths]
+        for rows in groups:
+            segs = []
+            for k in range(0, 32, 8):  # each prompt's 8 rows share it
+                part = rows[k:k + 8]
+                first = segments_of(part, [int(lengths[r]) for r in part])
+                segs += [s._replace(prefix=len(segs)) if s.prefix >= 0 else s for s in first]
+            out += [torch.cat([torch.full((seg.tokens,), seg.row, dtype=torch.long)
+                               for seg in segs]),
+                    torch.cat([seg.first + torch.arange(seg.tokens) for seg in segs]),
+                    torch.cat([torch.arange(seg.tokens) < seg.real for seg in segs])]
+        return out
+
+    def whole_batch():
+        batch = build_batch(samples, zeros, zeros, width=width, pad_id=0)
+        out = [batch.tokens_BS1, batch.mask_BS, batch.engine_logp_BS, batch.lengths_B]
+        for rows in groups:
+            layout = Layout.packed_rows(rows, [int(batch.lengths_B[r]) for r in rows],
+                                        prefixes=[(r // 8, 5) for r in rows])
+            out += [layout.row_N, layout.pos_N, layout.valid_N]
+        return out
+
+    assert all(torch.equal(a, b) for a, b in zip(per_sample(), whole_batch()))
+    return ("building a tiny step's batch and its 4 packed layouts (128 samples)",
+            *timed(per_sample, whole_batch, repeats))
+
+
 def adam(torch, repeats, numel, tensors):
     def make(**kw):
         g = torch.Generator().manual_seed(0)
@@ -368,6 +432,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = [packed_attention(torch, F, args.repeats), attention_gathers(torch, F, args.repeats),
             short_attention(torch, F, args.repeats), plan(torch, args.repeats),
+            batch_building(torch, args.repeats),
             adam(torch, args.repeats, 1_000_000, 95), adam(torch, args.repeats, 19_000_000, 238),
             nonfinite(torch, args.repeats), seeded_sampling(torch, args.repeats, 128),
             seeded_sampling(torch, args.repeats, 151936), expert_stack(torch, args.repeats),

@@ -87,22 +87,33 @@ def build_batch(samples: Sequence[Sample], rewards_B: torch.Tensor, advantages_B
     """Pad ``samples`` to ``width`` fed tokens; a response of R tokens after a prompt of P has its
     targets at positions P-1 .. P+R-2."""
     b = len(samples)
-    tokens = torch.full((b, width + 1), pad_id, dtype=torch.long)
-    mask = torch.zeros(b, width)
-    engine_logp = torch.zeros(b, width)
-    lengths = torch.zeros(b, dtype=torch.long)
-    prompt_lengths = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
-    routes = [] if samples and samples[0].routes_TLK is not None else None
+    rows, log_probs = [], []
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         if p + r > width + 1:
             raise ValueError(f"sample {i} has {p + r} tokens, the batch is {width + 1} wide")
-        tokens[i, :p + r] = torch.tensor(list(s.prompt_ids) + list(s.response_ids))
-        mask[i, p - 1:p - 1 + r] = 1.0
-        engine_logp[i, p - 1:p - 1 + r] = s.logprobs_R.float()
-        lengths[i] = p + r - 1
-        if routes is not None:
-            routes.append(RoutingRecord.from_indices(s.routes_TLK, num_experts))
+        if p == 0:
+            raise ValueError(f"sample {i} has an empty prompt (a response needs a token before it)")
+        if len(s.logprobs_R) != r:
+            raise ValueError(f"sample {i} has {r} response tokens and {len(s.logprobs_R)} "
+                             "log-probs")
+        rows.append([*s.prompt_ids, *s.response_ids, *[pad_id] * (width + 1 - p - r)])
+        log_probs.append(s.logprobs_R.float().reshape(-1))
+    tokens = torch.tensor(rows, dtype=torch.long).reshape(b, width + 1)
+    prompt_lengths = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
+    response_lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
+    lengths = prompt_lengths + response_lengths - 1
+    # a response's targets: positions P-1 .. P+R-2, row by row in order (as the log-probs come)
+    first = (prompt_lengths - 1)[:, None]
+    position = torch.arange(width)[None, :]
+    targets = (position >= first) & (position < first + response_lengths[:, None])
+    mask = torch.zeros(b, width)
+    mask[targets] = 1.0
+    engine_logp = torch.zeros(b, width)
+    if log_probs:
+        engine_logp[targets] = torch.cat(log_probs)
+    routes = ([RoutingRecord.from_indices(s.routes_TLK, num_experts) for s in samples]
+              if samples and samples[0].routes_TLK is not None else None)
     return RolloutBatch(tokens, mask, engine_logp, advantages_B.float(), rewards_B.float(), lengths,
                         prompt_lengths, routes)
 
@@ -197,12 +208,16 @@ class Layout:
         pad = round_up(max(total, length, 1), row_multiple) - total
         if pad:
             segments.append(_Segment(-1, 0, pad, 0))
-        row_N = torch.cat([torch.full((seg.tokens,), seg.row, dtype=torch.long)
-                           for seg in segments])
-        pos_N = torch.cat([seg.first + torch.arange(seg.tokens) for seg in segments])
-        valid_N = torch.cat([torch.arange(seg.tokens) < seg.real for seg in segments])
-        cu = torch.tensor([0] + [seg.tokens for seg in segments], dtype=torch.int32).cumsum(
-            0, dtype=torch.int32)
+        # per token: its segment's row, first position and real count, by whole-row operations
+        tokens, row, first, real = torch.tensor(
+            [(seg.tokens, seg.row, seg.first, seg.real) for seg in segments],
+            dtype=torch.long).unbind(1)
+        start = tokens.cumsum(0) - tokens
+        local_N = torch.arange(int(tokens.sum())) - start.repeat_interleave(tokens)
+        row_N = row.repeat_interleave(tokens)
+        pos_N = first.repeat_interleave(tokens) + local_N
+        valid_N = local_N < real.repeat_interleave(tokens)
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), tokens]).cumsum(0).to(torch.int32)
         return Layout(tuple(rows), cu, row_N, pos_N, valid_N,
                       segment_rows=tuple(seg.owner for seg in segments),
                       prefix_of=tuple(seg.prefix for seg in segments))
@@ -355,9 +370,10 @@ def exchange_rows(batch: RolloutBatch, plan: StepPlan, lengths: Sequence[Sequenc
     recv = [[row for row in wanted[me] if row[0] == src] for src in range(ranks)]
 
     def exchange(rows_out: list, rows_in: list, pack, unit, dtype, inner=()):
+        """``pack(rows)``: the rows' values, concatenated along dim 0."""
         out_sizes = [sum(unit(me, j) for j in rows) for rows in rows_out]
         in_sizes = [sum(unit(src, j) for _, j in rows) for src, rows in enumerate(rows_in)]
-        flat_out = (torch.cat([pack(j) for rows in rows_out for j in rows]) if any(rows_out)
+        flat_out = (pack([j for rows in rows_out for j in rows]) if any(rows_out)
                     else torch.zeros((0, *inner), dtype=dtype))
         buf_in = torch.empty((sum(in_sizes), *inner), dtype=dtype, device=device)
         dist.all_to_all_single(buf_in, flat_out.to(device=device, dtype=dtype).contiguous(),
@@ -365,23 +381,24 @@ def exchange_rows(batch: RolloutBatch, plan: StepPlan, lengths: Sequence[Sequenc
                                group=ctx.dp_group)
         return buf_in.cpu()
 
+    def rows_of(table: torch.Tensor):  # fixed-size rows: one gather of the whole batch's table
+        return lambda js: table.index_select(0, torch.tensor(js, dtype=torch.long))
+
     one = (lambda src, j: 1)
-    ids = exchange(send, recv, lambda j: batch.tokens_BS1[j][None], one, torch.int64, (width + 1,))
+    ids = exchange(send, recv, rows_of(batch.tokens_BS1), one, torch.int64, (width + 1,))
     has_info = batch.informative_B is not None
-
-    def floats(j):
-        scalars = [batch.advantages_B[j], batch.rewards_B[j], batch.lengths_B[j].float(),
-                   batch.informative_B[j] if has_info else torch.tensor(0.0),
-                   batch.prompt_lengths_B[j].float()]
-        return torch.cat([batch.mask_BS[j], batch.engine_logp_BS[j],
-                          torch.stack([x.float() for x in scalars])])[None]
-
-    vals = exchange(send, recv, floats, one, torch.float32, (2 * width + 5,))
+    scalars = [batch.advantages_B, batch.rewards_B, batch.lengths_B,
+               batch.informative_B if has_info else torch.zeros(batch.rows),
+               batch.prompt_lengths_B]  # [B, 2 * width + 5]: mask, engine log-probs, scalars
+    floats = torch.cat([batch.mask_BS.float(), batch.engine_logp_BS.float(),
+                        torch.stack([x.float() for x in scalars], 1)], 1)
+    vals = exchange(send, recv, rows_of(floats), one, torch.float32, (2 * width + 5,))
     routes = None
     if batch.routes is not None:
         layers, top_k = batch.routes[0].experts_TLK.shape[1:]
         got = exchange(send, recv,
-                       lambda j: batch.routes[j].indices()[:int(batch.lengths_B[j])].to(torch.int32),
+                       lambda js: torch.cat([batch.routes[j].indices()[:int(batch.lengths_B[j])]
+                                             .to(torch.int32) for j in js]),
                        lambda src, j: int(lengths[src][j]), torch.int32, (layers, top_k))
     # Received rows arrive grouped by source; put them in the plan's order.
     position, at = {}, 0

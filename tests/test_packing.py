@@ -256,6 +256,36 @@ def test_rows_share_a_prompt_only_with_the_same_tokens_and_routes():
     assert prompt_shares(batch) == [(0, 2), (1, 2), (0, 2)]
 
 
+def test_build_batch_written_out_and_its_bad_samples():
+    """Tokens padded to the width; a response of R tokens after a prompt of P has its targets
+    (mask, engine log-probs) at positions P-1 .. P+R-2; a sample too wide, with no prompt or
+    with a log-prob count other than its response's is refused by index."""
+    from megatron_gspo.rl_batch import build_batch
+    from megatron_gspo.rollout.types import Sample
+
+    def sample(prompt, response, logprobs=None):
+        logprobs = torch.tensor(logprobs if logprobs is not None
+                                else [-0.5 * (k + 1) for k in range(len(response))])
+        return Sample(prompt_ids=prompt, response_ids=response, logprobs_R=logprobs,
+                      finish_reason="stop")
+
+    batch = build_batch([sample([1, 2], [3, 4, 5]), sample([1], []), sample([1, 2, 3, 4], [5])],
+                        torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.5, -1.0, 0.5]),
+                        width=4, pad_id=9)
+    assert batch.tokens_BS1.tolist() == [[1, 2, 3, 4, 5], [1, 9, 9, 9, 9], [1, 2, 3, 4, 5]]
+    assert batch.mask_BS.tolist() == [[0, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 1]]
+    assert batch.engine_logp_BS.tolist() == [[0, -0.5, -1.0, -1.5], [0, 0, 0, 0],
+                                             [0, 0, 0, -0.5]]
+    assert batch.lengths_B.tolist() == [4, 0, 4]
+    assert batch.prompt_lengths_B.tolist() == [2, 1, 4]
+    for bad, message in ((sample([1, 2], [3, 4, 5, 6]), "sample 1 has 6 tokens, the batch is 5"),
+                         (sample([], [3]), "sample 1 has an empty prompt"),
+                         (sample([1], [3, 4], [-0.1]), "sample 1 has 2 response tokens and 1")):
+        with pytest.raises(ValueError, match=message):
+            build_batch([sample([1], [2]), bad], torch.zeros(2), torch.zeros(2), width=4,
+                        pad_id=0)
+
+
 def close(a, b, rel=1e-5, abs_=1e-7):
     return abs(a - b) <= rel * max(abs(a), abs(b)) + abs_
 

@@ -83,23 +83,29 @@ def packed_attention(torch, F, repeats):
             *timed(before, after, repeats))
 
 
+def _shared_prompt_bounds(torch, g, prompt: int, longest: int) -> tuple:
+    """A packed row of 16 prompts (``prompt`` tokens fed once) x 2 rows of 2-``longest`` tokens:
+    its ``bounds`` and ``prefix_of`` as ``layers.bucket_plan`` takes them."""
+    bounds, prefix_of = [0], []
+    for _ in range(16):
+        prefix = len(prefix_of)
+        bounds.append(bounds[-1] + prompt)
+        prefix_of.append(-1)
+        for n in torch.randint(2, longest + 1, (2,), generator=g).tolist():
+            bounds.append(bounds[-1] + n)
+            prefix_of.append(prefix)
+    return tuple(bounds), tuple(prefix_of)
+
+
 def _shared_prompt_batch(torch):
     """One packed micro-batch of the compute shape with shared prompts: 16 prompts (8 tokens fed
     once) x 2 rows of 2-24 tokens, 8 heads / 4 KV groups of 32: its plan and q, k, v."""
     from megatron_gspo.layers import bucket_plan
 
     g = torch.Generator().manual_seed(0)
-    bounds, prefix_of = [0], []
-    for _ in range(16):
-        prefix = len(prefix_of)
-        bounds.append(bounds[-1] + 8)
-        prefix_of.append(-1)
-        for n in torch.randint(2, 25, (2,), generator=g).tolist():
-            bounds.append(bounds[-1] + n)
-            prefix_of.append(prefix)
-    plan = bucket_plan(tuple(bounds), "cpu", tuple(prefix_of))
-    t = bounds[-1]
-    return plan, [torch.randn(t, n, 32, generator=g) for n in (8, 4, 4)]
+    bounds, prefix_of = _shared_prompt_bounds(torch, g, 8, 24)
+    plan = bucket_plan(bounds, "cpu", prefix_of)
+    return plan, [torch.randn(bounds[-1], n, 32, generator=g) for n in (8, 4, 4)]
 
 
 def _fwd_bwd(fn, qkv):
@@ -126,10 +132,8 @@ def attention_gathers(torch, F, repeats):
             out[b.index[b.real]] = o.permute(0, 2, 1, 3)[b.real]
         return out
 
-    def selected(q, k, v):
-        return packed_causal_attention(q, k, v, plan, short_keys=0)
-
-    before, after = _fwd_bwd(indexed, qkv), _fwd_bwd(selected, qkv)
+    before = _fwd_bwd(indexed, qkv)
+    after = _fwd_bwd(lambda q, k, v: packed_causal_attention(q, k, v, plan, short_keys=0), qkv)
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(before(), after()))
     return (f"packed attention's gathers, shared prompts ({qkv[0].shape[0]} tokens), fwd+bwd",
             *timed(before, after, repeats))
@@ -142,19 +146,8 @@ def short_attention(torch, F, repeats):
     from megatron_gspo.layers import packed_causal_attention
 
     plan, qkv = _shared_prompt_batch(torch)
-
-    def sdpa(q_TND, k_TGD, v_TGD):
-        out = torch.empty_like(q_TND)
-        for b in plan:
-            n, m = b.index.shape
-            q, k, v = (x.index_select(0, b.keys).view(n, m, *x.shape[1:]).permute(0, 2, 1, 3)
-                       for x in (q_TND, k_TGD, v_TGD))
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            o = o.permute(0, 2, 1, 3).reshape(n * m, *q_TND.shape[1:])
-            out.index_copy_(0, b.rows, o.index_select(0, b.outputs))
-        return out
-
-    before = _fwd_bwd(sdpa, qkv)
+    # short_keys 0: every bucket through SDPA's kernel, the code as it was
+    before = _fwd_bwd(lambda q, k, v: packed_causal_attention(q, k, v, plan, short_keys=0), qkv)
     after = _fwd_bwd(lambda q, k, v: packed_causal_attention(q, k, v, plan), qkv)
     # gradients up to ~35 here: fp32 rounding of a different summation order
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-4) for a, b in zip(before(), after()))
@@ -168,16 +161,7 @@ def plan(torch, repeats):
     with shared prompts: 16 prompts of 6 tokens x 2 rows of 2-8 tokens."""
     from megatron_gspo.layers import Bucket, bucket_plan, length_buckets
 
-    g = torch.Generator().manual_seed(0)
-    bounds, prefix_of = [0], []
-    for _ in range(16):
-        prefix = len(prefix_of)
-        bounds.append(bounds[-1] + 6)
-        prefix_of.append(-1)
-        for n in torch.randint(2, 9, (2,), generator=g).tolist():
-            bounds.append(bounds[-1] + n)
-            prefix_of.append(prefix)
-    bounds, prefix_of = tuple(bounds), tuple(prefix_of)
+    bounds, prefix_of = _shared_prompt_bounds(torch, torch.Generator().manual_seed(0), 6, 8)
 
     def per_sequence():
         starts, lengths = bounds[:-1], [b - a for a, b in zip(bounds[:-1], bounds[1:])]

@@ -89,7 +89,9 @@ class GroupedSequentialMLP(SequentialMLP):
             if (val := c.activation_func_clamp_value) is not None:
                 h_glu = h_glu.clamp(min=None, max=val)
                 h_lin = h_lin.clamp(min=-val, max=val)
-            h = c.activation_func(h_glu) * (h_lin + c.glu_linear_offset)
+            if c.glu_linear_offset:  # (adding 0.0 costs a full pass over h for nothing)
+                h_lin = h_lin + c.glu_linear_offset
+            h = c.activation_func(h_glu) * h_lin
         else:
             h = c.activation_func(h)
         h = (h * permuted_probs.unsqueeze(-1)).to(x.dtype)

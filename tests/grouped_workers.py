@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 
-def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "float32") -> dict:
+def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "float32",
+                      glu_offset: float = 0.0, clamp: float | None = None) -> dict:
     """Every MoE layer's experts of a tiny model (16 experts, top-4): the same tokens through
     SequentialMLP and through GroupedSequentialMLP sharing its parameters; the largest
     differences of the outputs, of the input gradients and of the weight gradients, relative to
-    the largest value of each."""
+    the largest value of each (of all the experts' weight gradients for the latter). ``glu_offset`` / ``clamp``: Megatron's GLU variants
+    (``glu_linear_offset``, ``activation_func_clamp_value``)."""
     import copy
 
     import torch
@@ -23,6 +25,10 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
     ctx = init_parallel(ParallelConfig(ep=ep, tp=tp, sequence_parallel=tp > 1), cfg,
                         seed=seed)  # expert TP = tp
     gpt = build_model(cfg, ctx, use_grouped_experts=False)
+    for module in gpt.modules():  # the experts hold copies of the model's config
+        if getattr(module, "config", None) is not None:
+            module.config.glu_linear_offset = glu_offset
+            module.config.activation_func_clamp_value = clamp
     out = {"out": 0.0, "dx": 0.0, "dw": 0.0, "grouped_used": True}
     g = torch.Generator().manual_seed(seed + 10 * ctx.rank)
     for layer in gpt.decoder.layers:
@@ -48,8 +54,11 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
         (y0, dx0, dw0), (y1, dx1, dw1) = results
         out["out"] = max(out["out"], float((y0 - y1).abs().max() / y0.abs().max()))
         out["dx"] = max(out["dx"], float((dx0 - dx1).abs().max() / dx0.abs().max()))
-        out["dw"] = max(out["dw"], max(float((a - b).abs().max() / a.abs().max())
-                                       for a, b in zip(dw0, dw1)))
+        # relative to the largest weight gradient of the layer's experts (the expert without
+        # tokens has all-zero gradients: a ratio per parameter would be 0 / 0)
+        scale = max(float(a.abs().max()) for a in dw0)
+        out["dw"] = max(out["dw"], max(float((a - b).abs().max()) for a, b in zip(dw0, dw1))
+                        / scale)
     return out
 
 

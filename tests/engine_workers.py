@@ -41,14 +41,14 @@ def _trainer_view(gpt, ctx, replay, sample, temperature):
     with replay.record() as rec:
         out = forward_backward(gpt, [MicroBatch(seq[:, :-1], seq[:, 1:])], ctx, loss_fn,
                                forward_only=True)
-    if not out:
-        return None, None, None
     n_prompt = len(sample.prompt_ids)
-    logp = out[0]["logp"][0, n_prompt - 1:fed]
+    # pipeline stages before the last compute no log-probs (but route their own layers)
+    logp = out[0]["logp"][0, n_prompt - 1:fed] if out else None
     routes = torch.stack(rec.forwards[0], 1)  # this TP rank's positions, [s, b] order with b = 1
     chunk = (fed + pad) // ctx.tp
     start = ctx.tp_rank * chunk if ctx.sequence_parallel else 0
-    return logp, routes, start
+    real = max(0, min(routes.shape[0], fed - start))  # positions past the sequence are padding
+    return logp, routes[:real], start
 
 
 def engine_vs_trainer_job(parallel_kwargs, prompts, params_kwargs):
@@ -66,23 +66,29 @@ def engine_vs_trainer_job(parallel_kwargs, prompts, params_kwargs):
         return out
     engine._forward = spy
     samples = engine.generate(prompts, 4, params)
-    worst_logp, routes_equal, shapes = 0.0, True, []
+    from moe.records import local_moe_layers
+
+    diffs, routes_equal, shapes_ok, route_layers = [], True, True, 0
     temperature = params.temperature or 1.0
+    layers = local_moe_layers(cfg.moe_layer_pattern, ctx.pp, ctx.pp_rank)
     for s in samples:
         logp, routes, start = _trainer_view(gpt, ctx, replay, s, temperature)
-        if logp is None:  # pipeline stages before the last compute no log-probs
-            continue
-        worst_logp = max(worst_logp, float((logp - s.logprobs_R).abs().max()))
-        from moe.records import local_moe_layers
-
-        assert s.routes_TLK.shape[1] == sum(cfg.moe_layer_pattern)  # every stage's layers
-        layers = local_moe_layers(cfg.moe_layer_pattern, ctx.pp, ctx.pp_rank)
+        if logp is not None:
+            shapes_ok &= logp.shape == s.logprobs_R.shape
+            diffs.append((logp - s.logprobs_R).abs().max())
+        # the engine's routes: every position fed (prompt and response but its last token),
+        # every stage's MoE layers, top-k each
+        fed = len(s.prompt_ids) + len(s.response_ids) - 1
+        shapes_ok &= tuple(s.routes_TLK.shape) == (fed, sum(cfg.moe_layer_pattern), cfg.top_k)
         mine = s.routes_TLK[start:start + routes.shape[0], layers]
-        routes = routes[:mine.shape[0]]  # positions past the sequence are padding
-        same = bool((mine.sort(-1).values == routes.sort(-1).values).all())
-        routes_equal &= same
-        shapes.append(tuple(s.routes_TLK.shape))
-    return dict(worst_logp=worst_logp, routes_equal=routes_equal, shapes=shapes,
+        shapes_ok &= mine.shape == routes.shape and routes.shape[1] == len(layers) > 0
+        routes_equal &= mine.shape == routes.shape and bool(
+            (mine.sort(-1).values == routes.sort(-1).values).all())
+        route_layers += routes.shape[1]
+    # torch's max keeps a NaN (Python's max would drop one that comes after a number)
+    worst_logp = float(torch.stack(diffs).max()) if diffs else None
+    return dict(worst_logp=worst_logp, routes_equal=routes_equal, shapes_ok=shapes_ok,
+                compared=len(samples), route_layers=route_layers,
                 decode_rows=engine.decode_rows, logit_shapes=logit_shapes,
                 lengths=[len(s.response_ids) for s in samples],
                 reasons=[s.finish_reason for s in samples],

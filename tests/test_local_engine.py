@@ -48,9 +48,13 @@ def runs():
                               for w, layout, _ in CASES])
 def test_engine_logprobs_and_routes_equal_the_trainers(runs, case):
     stops = CASES[case][2].get("stop_token_ids")
-    for r in runs["layouts"][case]:
-        assert r["worst_logp"] <= 1e-5
-        assert r["routes_equal"]
+    per_rank = runs["layouts"][case]
+    # log-probs on the last pipeline stage's ranks, routes on every rank's own MoE layers
+    assert any(r["worst_logp"] is not None for r in per_rank)
+    for r in per_rank:
+        assert r["worst_logp"] is None or r["worst_logp"] <= 1e-5
+        assert r["compared"] == 4 * len(PROMPTS) and r["route_layers"] > 0
+        assert r["routes_equal"] and r["shapes_ok"]
         assert r["all_logp_nonpositive"]
         # No full-vocabulary logits for prompt positions: the prefill gives the last one only,
         # and runs each prompt once (not once per sample).

@@ -94,9 +94,12 @@ def replay_job(parallel_kwargs, tokens_BS, engine_routes_BSLK, recompute, packed
         h.remove()
     n = len(rr.routers)
     forward_used = used[:n]  # then the recomputation's routes, when recompute is on
-    replay_exact = all(_sets_equal(u, t) for u, t in zip(forward_used, old_routes))
+    # (every router of this rank counted: zip would stop at the shorter list)
+    replay_exact = len(forward_used) == len(old_routes) == n > 0 and all(
+        _sets_equal(u, t) for u, t in zip(forward_used, old_routes))
     # The backward recomputes the layers last to first.
-    recompute_exact = all(_sets_equal(u, t) for u, t in zip(reversed(used[n:]), old_routes))
+    recompute_exact = len(used[n:]) in (0, n) and all(
+        _sets_equal(u, t) for u, t in zip(reversed(used[n:]), old_routes))
     # Reference: the same routes forced by driving megatron's RouterReplay instances directly.
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
@@ -115,7 +118,8 @@ def replay_job(parallel_kwargs, tokens_BS, engine_routes_BSLK, recompute, packed
         run(backward=True)
     for h in handles:
         h.remove()
-    r3_exact = all(_sets_equal(u, t) for u, t in zip(used[:n], engine_targets))
+    r3_exact = len(used) >= n == len(engine_targets) and all(
+        _sets_equal(u, t) for u, t in zip(used[:n], engine_targets))
 
     errors = {}
     bad_cases = {

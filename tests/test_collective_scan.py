@@ -5,8 +5,9 @@ has more than one rank" hides such a bug from every one-GPU run. Two rules, chec
 of ``megatron_gspo/`` and ``moe/`` (``megatron_gspo/comm.py`` builds its tensors on the run's
 device and is the place for small reductions):
 
-1. no torch.distributed collective receives a tensor that the same function built on the host
-   (a torch factory call without ``device=``, or ``.cpu()``);
+1. no torch.distributed collective (or its autograd form, torch.distributed.nn) receives a
+   tensor that the same function built on the host (a torch factory call without ``device=``,
+   or ``.cpu()``);
 2. no collective sits under an ``if`` whose whole test is a size-one check (``world_size > 1``,
    ``ctx.dp > 1``, ``group.size() == 1``, ...).
 """
@@ -27,13 +28,36 @@ FACTORIES = {"tensor", "zeros", "ones", "empty", "full", "arange", "as_tensor", 
 SIZE_NAMES = {"dp", "tp", "pp", "cp", "ep", "etp", "world_size"}
 
 
-def _is_collective(call: ast.Call) -> bool:
+def _dotted(node: ast.AST) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else ""
+
+
+def dist_aliases(tree: ast.AST) -> set:
+    """Names a module binds to torch.distributed or its submodules (``dist``, ``dist_nn`` for
+    ``torch.distributed.nn.functional``, ...)."""
+    names = {"dist"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.asname for a in node.names
+                      if a.asname and a.name.startswith("torch.distributed")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch") and \
+                any(a.name in ("distributed", "nn", "functional") for a in node.names):
+            names |= {a.asname or a.name for a in node.names
+                      if (node.module + "." + a.name).startswith("torch.distributed")}
+    return names
+
+
+def _is_collective(call: ast.Call, aliases: frozenset = frozenset({"dist"})) -> bool:
+    """A collective of torch.distributed or of its autograd functions (torch.distributed.nn)."""
     f = call.func
     if not (isinstance(f, ast.Attribute) and f.attr in COLLECTIVES):
         return False
-    base = f.value
-    return (isinstance(base, ast.Name) and base.id == "dist") or (
-        isinstance(base, ast.Attribute) and base.attr == "distributed")
+    base = _dotted(f.value)
+    return base in aliases or base.startswith("torch.distributed")
 
 
 def _host_tensor(node: ast.AST) -> bool:
@@ -68,6 +92,7 @@ def _size_check(test: ast.AST) -> bool:
 def violations(source: str, where: str = "<source>") -> list:
     """``where:line: problem`` for every breach of the two rules in ``source``."""
     tree = ast.parse(source)
+    aliases = frozenset(dist_aliases(tree))
     out = []
     for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
         host = set()
@@ -75,7 +100,7 @@ def violations(source: str, where: str = "<source>") -> list:
             if isinstance(node, ast.Assign) and _host_tensor(node.value):
                 host |= {t.id for t in node.targets if isinstance(t, ast.Name)}
         for node in ast.walk(fn):
-            if isinstance(node, ast.Call) and _is_collective(node):
+            if isinstance(node, ast.Call) and _is_collective(node, aliases):
                 args = list(node.args)
                 for a in list(args):
                     if isinstance(a, (ast.List, ast.Tuple)):
@@ -86,7 +111,7 @@ def violations(source: str, where: str = "<source>") -> list:
                                    f"built here; build it on the run's device (megatron_gspo.comm)")
             if isinstance(node, ast.If) and _size_check(node.test):
                 inner = [c for part in node.body + node.orelse for c in ast.walk(part)
-                         if isinstance(c, ast.Call) and _is_collective(c)]
+                         if isinstance(c, ast.Call) and _is_collective(c, aliases)]
                 if inner:
                     out.append(f"{where}:{node.lineno}: collective skipped for a one-rank group; "
                                "call it on every group size")
@@ -103,9 +128,14 @@ def package_files():
 
 def test_package_collectives_are_device_true_and_never_skipped():
     files = dict(package_files())
-    calls = sum(1 for text in files.values() for n in ast.walk(ast.parse(text))
-                if isinstance(n, ast.Call) and _is_collective(n))
-    assert calls >= 5, f"the scan saw only {calls} collectives"  # it does look at them
+    calls = {}
+    for rel, text in files.items():
+        tree = ast.parse(text)
+        aliases = frozenset(dist_aliases(tree))
+        calls[rel] = sum(1 for n in ast.walk(tree)
+                         if isinstance(n, ast.Call) and _is_collective(n, aliases))
+    assert sum(calls.values()) >= 5, f"the scan saw only {calls} collectives"  # it looks at them
+    assert calls["megatron_gspo/layers.py"] >= 1  # context parallelism's autograd all-gather
     found = [v for rel, text in files.items() for v in violations(text, rel)]
     assert not found, "\n".join(found)
 
@@ -118,6 +148,11 @@ PLANTED = {
     "size guard": "def f(t, ctx):\n    if ctx.dp > 1:\n        dist.all_reduce(t, group=ctx.dp_group)\n",
     "world guard": "def f(t, g):\n    if dist.get_world_size(g) == 1:\n        return t\n"
                    "    else:\n        dist.all_reduce(t, group=g)\n",
+    "autograd guard": "import torch.distributed.nn.functional as dist_nn\n"
+                      "def f(t, ctx):\n    if ctx.cp > 1:\n        dist_nn.all_gather(t, group=g)\n",
+    "autograd host": "from torch.distributed.nn import functional\n"
+                     "def f():\n    functional.all_reduce(torch.ones(2))\n",
+    "spelled out": "def f():\n    torch.distributed.nn.functional.all_reduce(torch.ones(2))\n",
 }
 
 

@@ -148,6 +148,7 @@ def test_report_from_a_real_run(tmp_path):
         assert r["unchanged"] >= 0 and 0 <= r["changed_tokens"] <= 1
     metrics = [json.loads(x) for x in open(tmp_path / "run_a" / "metrics.jsonl")]
     steps = [m for m in metrics if "train/loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
     assert all("moe/drift/ratio_noise/changed_tokens" in m and "moe/drift/ratio_noise/unchanged"
                in m for m in steps)
     for m, r in zip(steps, noise):  # the step's metrics are the drift log's (undefined: left out)

@@ -156,6 +156,7 @@ def test_clip_boundaries():
     x = logp.clone().requires_grad_()
     loss, metrics = policy_loss("gspo", x, old, adv, mask)
     loss.backward()
+    assert torch.isfinite(x.grad).all()
     assert (x.grad[:, 0] != 0).tolist() == [True, False, True, False]
     assert metrics["clip_fraction"].item() == 0.5
 

@@ -176,8 +176,8 @@ def test_sync_from_a_megatron_layout(server, tiny_hf_checkpoint, perturbed_check
     e.update_weights_from_disk(tiny_hf_checkpoint)
     cases = [dict(url=server, parallel=dict(ep=2), mode="disk", disk_dir=str(tmp_path / "sync"),
                   bucket_bytes=100_000)]
-    [result], _ = run_ranks(trainer_sync_job, 2, perturbed_checkpoint[0], cases, PROMPTS)
-    assert result["error"] is None
+    [result], [other] = run_ranks(trainer_sync_job, 2, perturbed_checkpoint[0], cases, PROMPTS)
+    assert result["error"] is None and other["error"] is None
     assert result["outputs"] == expected  # EP=2 trainer -> HF names -> shards on disk -> server
     assert result["stats"].buckets > 1 and len(os.listdir(tmp_path / "sync")) == \
         result["stats"].buckets + 2  # one shard per bucket, the index, config.json

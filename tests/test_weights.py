@@ -41,6 +41,7 @@ def loaded(saved):
 def test_checkpoint_from_pp2_ep2_loads_into_other_layouts(saved, loaded, world, layout):
     _, _, reference = saved
     per_rank = loaded[(world, str(layout))]
+    assert any(r is not None for r in per_rank)  # the last stage's ranks return log-probs
     for logp in (r for r in per_rank if r is not None):
         assert (logp - reference).abs().max().item() <= 1e-5
 

@@ -80,6 +80,9 @@ def test_every_logged_metric_matches_one_rank(runs, name):
     ref, got = step_row(runs["single"], 1), step_row(runs[name], 1)
     keys = [k for k in ref if not k.startswith("perf/") and k != "time"]
     assert set(keys) <= set(got), f"{name} lacks {sorted(set(keys) - set(got))}"
+    # (close() takes NaN for NaN: no metric of this step may be NaN on 1 rank to begin with)
+    assert not [k for k in keys for v in (ref[k] if isinstance(ref[k], list) else [ref[k]])
+                if isinstance(v, float) and math.isnan(v)]
     bad = {k: (ref[k], got[k]) for k in keys if not close(ref[k], got[k])}
     assert not bad, f"{name}: metrics differ from 1 rank: {bad}"
     assert ref["rollout/reward_mean"] == got["rollout/reward_mean"]

@@ -57,6 +57,7 @@ def build_optimizer(ddp, ctx: ParallelContext, cfg: OptimConfig):
     optimizer = get_megatron_optimizer(opt_cfg, [ddp], use_gloo_process_groups=False,
                                        pg_collection=ctx.pg)
     prefer_fused_adam(optimizer)
+    prefer_foreach_grad_norm()
     return optimizer
 
 
@@ -81,6 +82,33 @@ def prefer_fused_adam(optimizer) -> None:
         if isinstance(inner, torch.optim.Adam):  # AdamW derives from it
             for group in inner.param_groups:
                 group["foreach"], group["fused"] = False, True
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """The L2 norm of all tensors of ``tensor_lists``, as ``[1]`` fp32 on their device: a drop-in
+    for megatron-core's ``local_multi_tensor_l2_norm`` (the kernel its gradient-norm function
+    takes without Apex or Transformer Engine). That one builds ``torch.tensor()`` from the
+    per-tensor 0-d norms, one device-to-host copy per gradient tensor (thousands per step on
+    CUDA for an MoE model's experts), and puts the result on "cuda"; this one is torch's foreach
+    norm and the norm of the stacked norms, on the tensors' device (``chunk_size``,
+    ``noop_flag`` and ``per_tensor=False`` as in the multi-tensor-applier convention)."""
+    if per_tensor:
+        raise ValueError("foreach_l2_norm: per-tensor norms are not supported (Megatron's grad "
+                         "norm asks for the total only)")
+    tensors = [t for tensors in tensor_lists for t in tensors]
+    norms = torch._foreach_norm(tensors)
+    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+
+
+def prefer_foreach_grad_norm() -> None:
+    """Have megatron-core's gradient norm use ``foreach_l2_norm`` where it fell back to its local
+    per-tensor kernel (no Apex, no Transformer Engine); Apex's or TE's kernel stays. Idempotent."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if getattr(clip_grads, "l2_norm_impl", None) is getattr(utils, "local_multi_tensor_l2_norm",
+                                                            object()):
+        clip_grads.l2_norm_impl = foreach_l2_norm
 
 
 def build_scheduler(optimizer, *, lr: float, min_lr: float, warmup: int, total: int, style: str):

@@ -44,10 +44,9 @@ def dist_aliases(tree: ast.AST) -> set:
         if isinstance(node, ast.Import):
             names |= {a.asname for a in node.names
                       if a.asname and a.name.startswith("torch.distributed")}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch") and \
-                any(a.name in ("distributed", "nn", "functional") for a in node.names):
+        elif isinstance(node, ast.ImportFrom) and node.module:
             names |= {a.asname or a.name for a in node.names
-                      if (node.module + "." + a.name).startswith("torch.distributed")}
+                      if f"{node.module}.{a.name}".startswith("torch.distributed")}
     return names
 
 

@@ -21,7 +21,7 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_gspo import comm, cpu_backend
+from megatron_gspo import comm, cpu_backend, intra_op
 from megatron_gspo.config import ModelConfig, ParallelConfig
 
 
@@ -149,6 +149,9 @@ def init_parallel(cfg: ParallelConfig, model: ModelConfig, *, seed: Optional[int
         torch.cuda.set_device(device)
     else:
         cpu_backend.activate(device)
+    # Before any process group exists: gloo's work threads take one intra-op thread, so that no
+    # collective starts an OpenMP team that throttles this thread's (intra_op's docstring).
+    intra_op.pin_to_this_thread()
 
     if not dist.is_initialized():
         if "RANK" in os.environ:

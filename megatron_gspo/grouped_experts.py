@@ -12,6 +12,13 @@ routing probabilities are applied as in Megatron's unfused MLP path (``mlp.py``:
 The grouped path needs what ``grouped_mm`` takes: rows of 16-byte multiples (hidden and expert
 widths a multiple of 4 in fp32, 8 in bf16), no expert bias, no fp8, the unfused activation;
 otherwise the parent's loop runs.
+
+On CPU, where ``grouped_mm`` is itself one matmul per expert, fp32 SwiGLU experts (Qwen3-MoE's:
+no GLU offset or clamp) outside generation run as one autograd function instead
+(``_ExpertsSwiGLU``): the same per-expert matmuls, written into slices of preallocated outputs
+from the experts' own weights, so no stacked copy of the weights per forward (generation keeps
+its cached stacks), and a backward that writes the GLU's two gradient halves into one buffer
+(no chunk and cat). The same products and sums in the same order: bitwise the grouped path's.
 """
 
 from __future__ import annotations
@@ -40,6 +47,52 @@ def grouped_linear(x_TH: torch.Tensor, weights_EOH: torch.Tensor, offsets_E: tor
     """Rows of ``x`` grouped by expert (``offsets``: cumulative row counts, int32) times each
     expert's ``[out, in]`` weight transposed: ``[T, out]``."""
     return _ContiguousGrad.apply(F.grouped_mm(x_TH, weights_EOH.transpose(1, 2), offs=offsets_E))
+
+
+class _ExpertsSwiGLU(torch.autograd.Function):
+    """fp32 rows grouped by expert (``bounds``: each expert's [start, end) rows) through each
+    expert's ``fc2(silu(a) * b * prob)``, ``[a, b] = fc1(x)``; ``weights``: the ``n`` fc1 weights
+    ``[2F, H]`` then the ``n`` fc2 weights ``[H, F]``."""
+
+    @staticmethod
+    def forward(ctx, x_TH, probs_T, bounds, n, *weights):
+        fc1, fc2 = weights[:n], weights[n:]
+        h_TF2 = x_TH.new_empty(x_TH.shape[0], fc1[0].shape[0])
+        for (r0, r1), w in zip(bounds, fc1):
+            torch.mm(x_TH[r0:r1], w.t(), out=h_TF2[r0:r1])
+        f = h_TF2.shape[1] // 2
+        sb_TF = F.silu(h_TF2[:, :f]).mul_(h_TF2[:, f:])
+        g_TF = sb_TF * probs_T.unsqueeze(-1)
+        out_TH = x_TH.new_empty(x_TH.shape[0], fc2[0].shape[0])
+        for (r0, r1), w in zip(bounds, fc2):
+            torch.mm(g_TF[r0:r1], w.t(), out=out_TH[r0:r1])
+        ctx.save_for_backward(x_TH, probs_T, h_TF2, sb_TF, g_TF, *weights)
+        ctx.bounds, ctx.n = bounds, n
+        return out_TH
+
+    @staticmethod
+    def backward(ctx, grad_TH):
+        x_TH, probs_T, h_TF2, sb_TF, g_TF, *weights = ctx.saved_tensors
+        fc1, fc2, bounds = weights[:ctx.n], weights[ctx.n:], ctx.bounds
+        grad_TH = grad_TH.contiguous()
+        dg_TF = torch.empty_like(g_TF)
+        d_fc2 = []
+        for (r0, r1), w in zip(bounds, fc2):
+            torch.mm(grad_TH[r0:r1], w, out=dg_TF[r0:r1])
+            d_fc2.append(grad_TH[r0:r1].t() @ g_TF[r0:r1])
+        d_probs = (dg_TF * sb_TF).sum(-1) if ctx.needs_input_grad[1] else None
+        dsb_TF = dg_TF.mul_(probs_T.unsqueeze(-1))
+        f = h_TF2.shape[1] // 2
+        a_TF, b_TF = h_TF2[:, :f], h_TF2[:, f:]
+        dh_TF2 = torch.empty_like(h_TF2)
+        torch.mul(dsb_TF, F.silu(a_TF), out=dh_TF2[:, f:])
+        dh_TF2[:, :f] = torch.ops.aten.silu_backward(dsb_TF.mul_(b_TF), a_TF)
+        dx_TH = torch.empty_like(x_TH)
+        d_fc1 = []
+        for (r0, r1), w in zip(bounds, fc1):
+            torch.mm(dh_TF2[r0:r1], w, out=dx_TH[r0:r1])
+            d_fc1.append(dh_TF2[r0:r1].t() @ x_TH[r0:r1])
+        return (dx_TH, d_probs, None, None, *d_fc1, *d_fc2)
 
 
 class GroupedSequentialMLP(SequentialMLP):
@@ -74,11 +127,33 @@ class GroupedSequentialMLP(SequentialMLP):
                 and not c.use_te_activation_func and hasattr(F, "grouped_mm")
                 and all(w % align == 0 for w in widths))
 
+    def _swiglu_cpu_ok(self, x: torch.Tensor, probs: torch.Tensor) -> bool:
+        """``_ExpertsSwiGLU`` runs: CPU, fp32, SwiGLU without offset or clamp, not generating."""
+        c = self.config
+        return (x.device.type == "cpu" and x.dtype == probs.dtype == torch.float32
+                and self.weight_cache is None and c.gated_linear_unit
+                and c.activation_func is F.silu and c.activation_func_clamp_value is None
+                and not c.glu_linear_offset)
+
+    def path(self, x: torch.Tensor, probs: torch.Tensor) -> str:
+        """Which forward runs for these inputs: "swiglu_cpu", "grouped" or "sequential"."""
+        if not self._grouped_ok(x):
+            return "sequential"
+        return "swiglu_cpu" if self._swiglu_cpu_ok(x, probs) else "grouped"
+
     def forward(self, permuted_local_hidden_states: torch.Tensor,
                 tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
         x = permuted_local_hidden_states
-        if not self._grouped_ok(x):
+        path = self.path(x, permuted_probs)
+        if path == "sequential":
             return super().forward(x, tokens_per_expert, permuted_probs)
+        if path == "swiglu_cpu":
+            ends = torch.as_tensor(tokens_per_expert).cumsum(0).tolist()
+            bounds = list(zip([0] + ends[:-1], ends))
+            weights = ([e.linear_fc1.weight for e in self.local_experts]
+                       + [e.linear_fc2.weight for e in self.local_experts])
+            return _ExpertsSwiGLU.apply(x, permuted_probs, bounds, len(self.local_experts),
+                                        *weights), None
         counts = torch.as_tensor(tokens_per_expert, device=x.device)
         offsets = counts.cumsum(0).to(torch.int32)
         w1, w2 = self._stacked_weights()

@@ -31,7 +31,7 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
             module.config.glu_linear_offset = glu_offset
             module.config.activation_func_clamp_value = clamp
     diffs = {"out": [], "dx": [], "dw": []}  # per layer, reduced by torch (a NaN stays)
-    grouped_used = True
+    paths = set()  # the forwards GroupedSequentialMLP took
     g = torch.Generator().manual_seed(seed + 10 * ctx.rank)
     for layer in gpt.decoder.layers:
         seq = layer.mlp.experts
@@ -52,7 +52,7 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
             y, _ = module(xi, counts, probs)
             (y * w_out).sum().backward()
             results.append((y.detach(), xi.grad, [p.grad.clone() for p in module.parameters()]))
-        grouped_used &= grouped._grouped_ok(x)
+        paths.add(grouped.path(x, probs))
         (y0, dx0, dw0), (y1, dx1, dw1) = results
         diffs["out"].append((y0 - y1).abs().max() / y0.abs().max())
         diffs["dx"].append((dx0 - dx1).abs().max() / dx0.abs().max())
@@ -60,7 +60,7 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
         # tokens has all-zero gradients: a ratio per parameter would be 0 / 0)
         diffs["dw"].append(torch.stack([(a - b).abs().max() for a, b in zip(dw0, dw1)]).max()
                            / torch.stack([a.abs().max() for a in dw0]).max())
-    return {"grouped_used": grouped_used,
+    return {"paths": sorted(paths),
             **{key: float(torch.stack(values).max()) for key, values in diffs.items()}}
 
 

@@ -14,7 +14,8 @@ widths a multiple of 4 in fp32, 8 in bf16), no expert bias, no fp8, the unfused 
 otherwise the parent's loop runs.
 
 On CPU, where ``grouped_mm`` is itself one matmul per expert, fp32 SwiGLU experts (Qwen3-MoE's:
-no GLU offset or clamp) outside generation run as one autograd function instead
+no GLU offset or clamp) of at least ``swiglu_cpu_min_weight`` fc1 weight elements run outside
+generation as one autograd function instead
 (``_ExpertsSwiGLU``): the same per-expert matmuls, written into slices of preallocated outputs
 from the experts' own weights, so no stacked copy of the weights per forward (generation keeps
 its cached stacks), and a backward that writes the GLU's two gradient halves into one buffer
@@ -100,6 +101,10 @@ class GroupedSequentialMLP(SequentialMLP):
 
     # Inside ``cached_expert_weights``: a dict holding this layer's stacked weights.
     weight_cache = None
+    # ``_ExpertsSwiGLU`` from this many fc1 weight elements per expert: below it, stacking the
+    # weights costs less than the function's per-expert calls (64 experts of 32 x 64, forward +
+    # backward: 95.8 ms against 86.3 through grouped_mm; 512 x 256: a compute step 5% faster).
+    swiglu_cpu_min_weight = 16384
 
     def _stacked_weights(self):
         """[E, out, in] stacks of the experts' fc1 and fc2 weights: made in every forward that
@@ -128,10 +133,13 @@ class GroupedSequentialMLP(SequentialMLP):
                 and all(w % align == 0 for w in widths))
 
     def _swiglu_cpu_ok(self, x: torch.Tensor, probs: torch.Tensor) -> bool:
-        """``_ExpertsSwiGLU`` runs: CPU, fp32, SwiGLU without offset or clamp, not generating."""
+        """``_ExpertsSwiGLU`` runs: CPU, fp32, SwiGLU without offset or clamp, not generating,
+        experts large enough."""
         c = self.config
         return (x.device.type == "cpu" and x.dtype == probs.dtype == torch.float32
-                and self.weight_cache is None and c.gated_linear_unit
+                and self.weight_cache is None
+                and self.local_experts[0].linear_fc1.weight.numel() >= self.swiglu_cpu_min_weight
+                and c.gated_linear_unit
                 and c.activation_func is F.silu and c.activation_func_clamp_value is None
                 and not c.glu_linear_offset)
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 
 def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "float32",
-                      glu_offset: float = 0.0, clamp: float | None = None) -> dict:
+                      glu_offset: float = 0.0, clamp: float | None = None,
+                      expert_width: int = 256) -> dict:
     """Every MoE layer's experts of a tiny model (16 experts, top-4): the same tokens through
     SequentialMLP and through GroupedSequentialMLP sharing its parameters; the largest
     differences of the outputs, of the input gradients and of the weight gradients, relative to
     the largest value of each (of all the layer's expert weight gradients for the latter).
     ``glu_offset`` / ``clamp``: Megatron's GLU variants (``glu_linear_offset``,
-    ``activation_func_clamp_value``)."""
+    ``activation_func_clamp_value``). ``expert_width`` 256 makes each expert's fc1 weight
+    (512 x 64, 256 x 64 per rank under expert TP 2) large enough for the CPU function."""
     import copy
 
     import torch
@@ -22,7 +24,8 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
 
     cfg = ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_attention_heads=4,
                       num_query_groups=2, head_dim=16, ffn_hidden_size=128,
-                      moe_ffn_hidden_size=16, num_experts=16, top_k=4, params_dtype=dtype)
+                      moe_ffn_hidden_size=expert_width, num_experts=16, top_k=4,
+                      params_dtype=dtype)
     ctx = init_parallel(ParallelConfig(ep=ep, tp=tp, sequence_parallel=tp > 1), cfg,
                         seed=seed)  # expert TP = tp
     gpt = build_model(cfg, ctx, use_grouped_experts=False)

@@ -29,9 +29,9 @@ from megatron_gspo.model import build_model  # noqa: E402
 from megatron_gspo.parallel import destroy_parallel, init_parallel  # noqa: E402
 
 
-def measure(grouped: bool, args, *, path: str = "") -> float:
-    """Median seconds of a forward + backward; ``path`` ("grouped_mm" or "function") forces the
-    grouped experts' path."""
+def measure(grouped: bool, args, *, path: str = "") -> tuple:
+    """(median seconds of a forward + backward, whether the default takes the CPU function for
+    these experts); ``path`` ("grouped_mm" or "function") forces the grouped experts' path."""
     cfg = ModelConfig(vocab_size=128, hidden_size=args.hidden, num_layers=4, num_attention_heads=4,
                       num_query_groups=2, head_dim=16, ffn_hidden_size=128,
                       moe_ffn_hidden_size=args.expert_width, num_experts=args.experts,
@@ -39,9 +39,10 @@ def measure(grouped: bool, args, *, path: str = "") -> float:
     ctx = init_parallel(ParallelConfig(), cfg, seed=0)
     try:
         gpt = build_model(cfg, ctx)
-        for m in gpt.modules():
-            if isinstance(m, GroupedSequentialMLP):
-                m.swiglu_cpu_min_weight = 0 if path == "function" else float("inf")
+        experts = [m for m in gpt.modules() if isinstance(m, GroupedSequentialMLP)]
+        default_function = all(m.experts_large_enough() for m in experts)
+        for m in experts:
+            m.swiglu_cpu_min_weight = 0 if path == "function" else float("inf")
         g = torch.Generator().manual_seed(0)
         rows = args.tokens // 64
         tokens = torch.randint(0, 128, (rows, 64), generator=g)
@@ -52,7 +53,7 @@ def measure(grouped: bool, args, *, path: str = "") -> float:
             gpt(tokens, pos, attention_mask=None).float().square().mean().backward()
             if i:
                 times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return statistics.median(times), default_function
     finally:
         destroy_parallel(keep_process_group=True)
 
@@ -67,10 +68,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
     warnings.filterwarnings("ignore")
-    loop, stacked, function = (measure(False, args), measure(True, args, path="grouped_mm"),
-                               measure(True, args, path="function"))
-    default = ("function" if 2 * args.expert_width * args.hidden
-               >= GroupedSequentialMLP.swiglu_cpu_min_weight else "grouped_mm")
+    (loop, _), (stacked, _) = measure(False, args), measure(True, args, path="grouped_mm")
+    function, default_function = measure(True, args, path="function")
+    default = "function" if default_function else "grouped_mm"
     print(f"MoE of 4 layers, hidden {args.hidden}, {args.experts} experts of width "
           f"{args.expert_width}, top-{args.top_k}; {args.tokens} tokens; forward + backward, "
           f"median of {args.repeats}, {torch.get_num_threads()} threads")

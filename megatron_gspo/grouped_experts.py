@@ -132,13 +132,16 @@ class GroupedSequentialMLP(SequentialMLP):
                 and not c.use_te_activation_func and hasattr(F, "grouped_mm")
                 and all(w % align == 0 for w in widths))
 
+    def experts_large_enough(self) -> bool:
+        """Whether this layer's experts are large enough for ``_ExpertsSwiGLU``."""
+        return self.local_experts[0].linear_fc1.weight.numel() >= self.swiglu_cpu_min_weight
+
     def _swiglu_cpu_ok(self, x: torch.Tensor, probs: torch.Tensor) -> bool:
         """``_ExpertsSwiGLU`` runs: CPU, fp32, SwiGLU without offset or clamp, not generating,
         experts large enough."""
         c = self.config
         return (x.device.type == "cpu" and x.dtype == probs.dtype == torch.float32
-                and self.weight_cache is None
-                and self.local_experts[0].linear_fc1.weight.numel() >= self.swiglu_cpu_min_weight
+                and self.weight_cache is None and self.experts_large_enough()
                 and c.gated_linear_unit
                 and c.activation_func is F.silu and c.activation_func_clamp_value is None
                 and not c.glu_linear_offset)

@@ -8,12 +8,13 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_gspo import cpu_backend, layers, router_losses, te
 from megatron_gspo.grouped_experts import GroupedSequentialMLP
-from megatron_gspo.layers import RMSNorm, SDPAttention
+from megatron_gspo.layers import RMSNorm, RotatedCacheSelfAttention, SDPAttention
 from megatron_gspo.config import ModelConfig
 from megatron_gspo.parallel import ParallelContext
 
@@ -87,8 +88,9 @@ def transformer_config(model: ModelConfig, ctx: ParallelContext, **overrides):
 
 def layer_spec(config, ctx: ParallelContext, grouped_experts: bool = True):
     """Transformer Engine spec on GPU when TE imports; otherwise Megatron's local spec with an
-    SP-capable RMSNorm, SDPA core attention in place of the unfused attention fallback and (with
-    ``grouped_experts``) the local experts as grouped matmuls."""
+    SP-capable RMSNorm, self-attention whose KV cache holds rotated keys, SDPA core attention in
+    place of the unfused attention fallback and (with ``grouped_experts``) the local experts as
+    grouped matmuls."""
     if te.use_te_spec(ctx.device.type):
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, pp_rank=ctx.pp_rank)
     te.ensure_router_gemm_symbol()
@@ -98,6 +100,8 @@ def layer_spec(config, ctx: ParallelContext, grouped_experts: bool = True):
         sub = spec.submodules
         sub.input_layernorm = RMSNorm
         sub.pre_mlp_layernorm = RMSNorm
+        if sub.self_attention.module is SelfAttention:
+            sub.self_attention.module = RotatedCacheSelfAttention
         attn = sub.self_attention.submodules
         attn.core_attention = SDPAttention
         attn.q_layernorm = RMSNorm

@@ -139,3 +139,27 @@ def stop_job(prompts):
                                                          stop_token_ids=(stop_id,)))
     return [s.response_ids for s in free], [s.response_ids for s in stopped], \
         [s.finish_reason for s in stopped], stop_id
+
+
+def rotated_cache_job(prompts):
+    """Sampled generation (rows stopping at different steps, so the batch compacts) with the
+    model's attention (keys cached rotated) and again with megatron's SelfAttention (keys cached
+    unrotated, the whole cache rotated at every step), from the same seed."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    from megatron_gspo.layers import RotatedCacheSelfAttention
+    from megatron_gspo.rollout.types import SamplingParams
+
+    cfg, ctx, gpt, replay, engine = _setup({})
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=5,
+                            stop_token_ids=tuple(range(0, 128, 5)))
+    attentions = [m for m in gpt.modules() if isinstance(m, SelfAttention)]
+    ours = all(type(m) is RotatedCacheSelfAttention for m in attentions)
+    rotated = engine.generate(prompts, 4, params)
+    for m in attentions:
+        m.__class__ = SelfAttention
+    unrotated = engine.generate(prompts, 4, params)
+    return ours and len(attentions) == cfg.num_layers, [
+        (a.response_ids == b.response_ids, torch.equal(a.logprobs_R, b.logprobs_R),
+         torch.equal(a.routes_TLK, b.routes_TLK)) for a, b in zip(rotated, unrotated)], \
+        [len(s.response_ids) for s in rotated]

@@ -4,7 +4,7 @@ import pytest
 
 from tests.distributed import run_layouts
 from tests.engine_workers import (big_batch_job, cache_vs_recompute_job, engine_vs_trainer_job,
-                                  stop_job)
+                                  rotated_cache_job, stop_job)
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [1]]
 
@@ -27,14 +27,14 @@ CASES = [
 @pytest.fixture(scope="module")
 def runs():
     """Every engine job, one spawn per world size: {"layouts": per case, per rank results,
-    "stop", "cache", "big_batch"}."""
+    "stop", "cache", "big_batch", "rotated"}."""
     out = {"layouts": [None] * len(CASES)}
     for world in sorted({w for w, _, _ in CASES}):
         index = [i for i, (w, _, _) in enumerate(CASES) if w == world]
         cases = [(engine_vs_trainer_job, (CASES[i][1], PROMPTS, CASES[i][2])) for i in index]
-        extra = ["stop", "cache", "big_batch"] if world == 1 else []
+        extra = ["stop", "cache", "big_batch", "rotated"] if world == 1 else []
         cases += [(stop_job, (PROMPTS,)), (cache_vs_recompute_job, (PROMPTS, 8)),
-                  (big_batch_job, (64, 6))][:len(extra)]
+                  (big_batch_job, (64, 6)), (rotated_cache_job, (PROMPTS,))][:len(extra)]
         results = run_layouts(world, cases)
         for i, per_rank in zip(index, results):
             out["layouts"][i] = per_rank
@@ -85,6 +85,16 @@ def test_stop_tokens_end_responses(runs):
 def test_kv_cache_generation_equals_recomputation(runs):
     cached, recomputed = runs["cache"]
     assert cached == recomputed
+
+
+def test_keys_cached_rotated_decode_as_megatrons_attention(runs):
+    """The KV cache holds keys rotated once at their positions (RotatedCacheSelfAttention):
+    tokens, log-probs and routes bitwise those of megatron's SelfAttention, which caches keys
+    unrotated and rotates the whole cache in every decoding step."""
+    ours, equal, lengths = runs["rotated"]
+    assert ours
+    assert len(equal) == 4 * len(PROMPTS) and all(all(e) for e in equal)
+    assert len(set(lengths)) >= 3  # rows stopped at different steps: the batch compacted
 
 
 def test_batch_of_64_prompts_is_seeded_and_ordered(runs):

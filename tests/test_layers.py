@@ -134,6 +134,32 @@ def test_short_causal_attention_is_the_written_out_formula(heads, groups, scale)
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
 
 
+
+@pytest.mark.parametrize("heads,groups,masked", [(8, 4, True), (4, 4, False), (6, 1, True)])
+def test_decode_attention_is_the_written_out_formula(heads, groups, masked):
+    """One query per row: softmax(q K^T / sqrt(d) with -inf at masked keys) V per query head,
+    K and V of its group, float64; rows left-padded by different amounts."""
+    import torch
+
+    from megatron_gspo.layers import decode_attention
+
+    g = torch.Generator().manual_seed(2)
+    b, s, d = 4, 9, 5
+    q = torch.randn(b, heads, 1, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(b, groups, s, d, generator=g, dtype=torch.float64) for _ in range(2))
+    hidden = torch.arange(s)[None, :] < torch.tensor([0, 2, 5, 8])[:, None]  # [b, s]
+    mask = hidden[:, None, None, :] if masked else None
+
+    out = torch.empty(b, heads, 1, d, dtype=torch.float64)
+    for i in range(b):
+        for h in range(heads):
+            kv = h // (heads // groups)
+            scores = q[i, h] @ k[i, kv].T / d ** 0.5
+            if masked:
+                scores = scores.masked_fill(hidden[i], float("-inf"))
+            out[i, h] = torch.softmax(scores, -1) @ v[i, kv]
+    torch.testing.assert_close(decode_attention(q, k, v, mask), out, rtol=1e-12, atol=1e-12)
+
 def test_cached_rope_equals_megatrons():
     """RoPE with cos / sin kept per table gives megatron-core's values and gradients bitwise."""
     from tests.distributed import run_ranks

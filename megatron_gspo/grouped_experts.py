@@ -47,7 +47,8 @@ class _ContiguousGrad(torch.autograd.Function):
 def grouped_linear(x_TH: torch.Tensor, weights_EHO: torch.Tensor, offsets_E: torch.Tensor):
     """Rows of ``x`` grouped by expert (``offsets``: cumulative row counts, int32) times each
     expert's ``[in, out]`` weight (its linear's weight transposed): ``[T, out]``."""
-    return _ContiguousGrad.apply(F.grouped_mm(x_TH, weights_EHO, offs=offsets_E))
+    out_TO = F.grouped_mm(x_TH, weights_EHO, offs=offsets_E)
+    return _ContiguousGrad.apply(out_TO) if out_TO.requires_grad else out_TO
 
 
 class _ExpertsSwiGLU(torch.autograd.Function):
@@ -113,13 +114,14 @@ class GroupedSequentialMLP(SequentialMLP):
         (grouped_mm of decoding's few rows per expert: 688 against 766 us for 512 rows, fc1 of
         256 x 512; the same bits)."""
         cache = None if torch.is_grad_enabled() else self.weight_cache
-        if cache is not None and "w" in cache:
-            return cache["w"]
-        w = tuple(torch.stack([getattr(e, name).weight for e in self.local_experts]).transpose(1, 2)
-                  for name in ("linear_fc1", "linear_fc2"))
-        if cache is not None:
-            w = cache["w"] = tuple(t.contiguous() for t in w)
-        return w
+        if cache is None:
+            return tuple(torch.stack([getattr(e, name).weight for e in self.local_experts])
+                         .transpose(1, 2) for name in ("linear_fc1", "linear_fc2"))
+        if "w" not in cache:  # one copy: the stack of transposed views is [E, in, out] in order
+            cache["w"] = tuple(torch.stack([getattr(e, name).weight.t()
+                                            for e in self.local_experts])
+                               for name in ("linear_fc1", "linear_fc2"))
+        return cache["w"]
 
     def _grouped_ok(self, x: torch.Tensor) -> bool:
         c = self.config

@@ -177,7 +177,6 @@ def short_causal_attention(q_BMND, k_BMGD, v_BMGD, scale=None):
     return torch.bmm(p, v).view(b, g, r, m, d).permute(0, 3, 1, 2, 4).reshape(b, m, n, d)
 
 
-
 def decode_attention(q_BN1D, k_BGSD, v_BGSD, masked_B11S=None, scale=None):
     """One query position per row (decoding with a KV cache) against ``S`` keys, as two batched
     matmuls and a softmax, ``[B, N, 1, D]`` out; ``masked``: True where a key is hidden (left
@@ -198,6 +197,7 @@ def decode_attention(q_BN1D, k_BGSD, v_BGSD, masked_B11S=None, scale=None):
         p = torch.softmax(torch.baddbmm(bias.expand(b, g, 1, s).reshape(b * g, 1, s), q, k,
                                         alpha=scale), dim=-1)
     return torch.bmm(p, v).view(b, n, 1, d)
+
 
 class SDPAttention(DotProductAttention):
     """Core attention through ``torch.nn.functional.scaled_dot_product_attention``.
@@ -297,7 +297,6 @@ class SDPAttention(DotProductAttention):
         return out.squeeze(1) if thd else out
 
 
-
 class RotatedCacheSelfAttention(SelfAttention):
     """Megatron's ``SelfAttention`` whose static-batching KV cache holds keys already rotated.
 
@@ -326,6 +325,7 @@ class RotatedCacheSelfAttention(SelfAttention):
             super()._adjust_key_value_for_inference(icx, query, key, value, rotary_pos_emb,
                                                     *args, **kwargs))
         return query, key, value, (q_pos_emb, None), mask_type, block_table
+
 
 @contextlib.contextmanager
 def context_parallel_disabled(gpt):

@@ -89,6 +89,7 @@ def engine_vs_trainer_job(parallel_kwargs, prompts, params_kwargs):
     worst_logp = float(torch.stack(diffs).max()) if diffs else None
     return dict(worst_logp=worst_logp, routes_equal=routes_equal, shapes_ok=shapes_ok,
                 compared=len(samples), route_layers=route_layers,
+                direct_decode=engine.direct_decode,
                 decode_rows=engine.decode_rows, logit_shapes=logit_shapes,
                 lengths=[len(s.response_ids) for s in samples],
                 reasons=[s.finish_reason for s in samples],
@@ -151,6 +152,7 @@ def rotated_cache_job(prompts):
     from megatron_gspo.rollout.types import SamplingParams
 
     cfg, ctx, gpt, replay, engine = _setup({})
+    engine.direct_decode = False  # decoding through the model's attention modules
     params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=5,
                             stop_token_ids=tuple(range(0, 128, 5)))
     attentions = [m for m in gpt.modules() if isinstance(m, SelfAttention)]
@@ -163,3 +165,28 @@ def rotated_cache_job(prompts):
         (a.response_ids == b.response_ids, torch.equal(a.logprobs_R, b.logprobs_R),
          torch.equal(a.routes_TLK, b.routes_TLK)) for a, b in zip(rotated, unrotated)], \
         [len(s.response_ids) for s in rotated]
+
+
+def direct_decode_job(prompts):
+    """The engine's decoding steps through ``decode_step`` and through the model's forward: the
+    same prompts and seeds, sampled (stop ids: the batch compacts) and greedy."""
+    from megatron_gspo.rollout.types import SamplingParams
+
+    cfg, ctx, gpt, replay, engine = _setup({})
+    direct = engine.direct_decode
+    out = []
+    for params in (SamplingParams(max_new_tokens=8, temperature=1.0, seed=7,
+                                  stop_token_ids=tuple(range(0, 128, 5))),
+                   SamplingParams(max_new_tokens=6, temperature=0.0)):
+        engine.direct_decode = True
+        fast = engine.generate(prompts, 4, params)
+        rows = list(engine.decode_rows)
+        engine.direct_decode = False
+        model = engine.generate(prompts, 4, params)
+        out.append(dict(
+            tokens_equal=all(a.response_ids == b.response_ids for a, b in zip(fast, model)),
+            worst_logp=max(float((a.logprobs_R - b.logprobs_R).abs().max())
+                           for a, b in zip(fast, model)),
+            routes_equal=all(torch.equal(a.routes_TLK, b.routes_TLK) for a, b in zip(fast, model)),
+            decode_rows=rows, lengths=[len(s.response_ids) for s in fast]))
+    return direct, out

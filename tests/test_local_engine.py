@@ -3,8 +3,8 @@
 import pytest
 
 from tests.distributed import run_layouts
-from tests.engine_workers import (big_batch_job, cache_vs_recompute_job, engine_vs_trainer_job,
-                                  rotated_cache_job, stop_job)
+from tests.engine_workers import (big_batch_job, cache_vs_recompute_job, direct_decode_job,
+                                  engine_vs_trainer_job, rotated_cache_job, stop_job)
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [1]]
 
@@ -27,14 +27,15 @@ CASES = [
 @pytest.fixture(scope="module")
 def runs():
     """Every engine job, one spawn per world size: {"layouts": per case, per rank results,
-    "stop", "cache", "big_batch", "rotated"}."""
+    "stop", "cache", "big_batch", "rotated", "direct"}."""
     out = {"layouts": [None] * len(CASES)}
     for world in sorted({w for w, _, _ in CASES}):
         index = [i for i, (w, _, _) in enumerate(CASES) if w == world]
         cases = [(engine_vs_trainer_job, (CASES[i][1], PROMPTS, CASES[i][2])) for i in index]
-        extra = ["stop", "cache", "big_batch", "rotated"] if world == 1 else []
+        extra = ["stop", "cache", "big_batch", "rotated", "direct"] if world == 1 else []
         cases += [(stop_job, (PROMPTS,)), (cache_vs_recompute_job, (PROMPTS, 8)),
-                  (big_batch_job, (64, 6)), (rotated_cache_job, (PROMPTS,))][:len(extra)]
+                  (big_batch_job, (64, 6)), (rotated_cache_job, (PROMPTS,)),
+                  (direct_decode_job, (PROMPTS,))][:len(extra)]
         results = run_layouts(world, cases)
         for i, per_rank in zip(index, results):
             out["layouts"][i] = per_rank
@@ -49,6 +50,9 @@ def runs():
 def test_engine_logprobs_and_routes_equal_the_trainers(runs, case):
     stops = CASES[case][2].get("stop_token_ids")
     per_rank = runs["layouts"][case]
+    # one rank holding the whole model decodes through decode_step, split models through their
+    # forward
+    assert all(r["direct_decode"] == (CASES[case][0] == 1) for r in per_rank)
     # log-probs on the last pipeline stage's ranks, routes on every rank's own MoE layers
     assert any(r["worst_logp"] is not None for r in per_rank)
     for r in per_rank:
@@ -95,6 +99,18 @@ def test_keys_cached_rotated_decode_as_megatrons_attention(runs):
     assert ours
     assert len(equal) == 4 * len(PROMPTS) and all(all(e) for e in equal)
     assert len(set(lengths)) >= 3  # rows stopped at different steps: the batch compacted
+
+
+def test_direct_decode_step_equals_the_models_forward(runs):
+    """decode_step (the engine's decoding on one rank) against the model's own forward: the same
+    tokens and routes, log-probs within 1e-6, sampled with compaction and greedy."""
+    direct, cases = runs["direct"]
+    assert direct
+    for c in cases:
+        assert c["tokens_equal"] and c["routes_equal"]
+        assert c["worst_logp"] <= 1e-6
+    sampled = cases[0]
+    assert len(set(sampled["lengths"])) >= 3 and sampled["decode_rows"][-1] < 4 * len(PROMPTS)
 
 
 def test_batch_of_64_prompts_is_seeded_and_ordered(runs):

@@ -25,6 +25,7 @@ from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
 from megatron_gspo import comm
+from megatron_gspo.rollout import decode_step
 from megatron_gspo.grouped_experts import cached_expert_weights
 from megatron_gspo.layers import context_parallel_disabled
 from megatron_gspo.parallel import ParallelContext
@@ -118,6 +119,9 @@ class LocalEngine:
         and decode until every one of them has finished."""
         self.gpt, self.ctx, self.replay, self.pad_id = gpt, ctx, replay, pad_id
         self.lockstep = lockstep_group
+        # Decoding steps through ``decode_step`` where it mirrors the model (a whole model on one
+        # CPU rank), else through the model's forward; the prefill always through the forward.
+        self.direct_decode = decode_step.unsupported(gpt, ctx) is None
 
     def health(self) -> bool:
         return True
@@ -218,6 +222,7 @@ class LocalEngine:
                                        (~attend)[:, None], icx)
                 icx.sequence_len_offset += p_len
                 logits = self._to_rows(icx, logits, of_row, samples_per_prompt)
+                freqs = self.gpt.rotary_pos_emb(s_len) if self.direct_decode else None
                 for step in range(params.max_new_tokens):
                     token, logp = self._sample(logits, params, seeds_B, batch, step)
                     live = ~finished[batch]
@@ -236,8 +241,15 @@ class LocalEngine:
                     offset = icx.sequence_len_offset
                     icx.enable_decode_mode()
                     mask = ~valid_BS[batch][:, None, None, :offset + 1]
-                    logits = self._forward(token[:, None], torch.full((len(batch), 1), offset),
-                                           mask, icx)
+                    if self.direct_decode:
+                        logits, routes = decode_step.decode_step(
+                            self.gpt, icx, token.to(self.ctx.device), offset,
+                            mask.to(self.ctx.device), freqs)
+                        if recorded is not None:
+                            recorded.forwards.append(routes)
+                    else:
+                        logits = self._forward(token[:, None],
+                                               torch.full((len(batch), 1), offset), mask, icx)
                     fed.append(batch)
                     icx.sequence_len_offset += 1
                     valid_BS[:, offset] = True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 ENGINE_MODEL = dict(vocab_size=128, hidden_size=64, num_layers=4, num_attention_heads=4,
@@ -9,14 +11,14 @@ ENGINE_MODEL = dict(vocab_size=128, hidden_size=64, num_layers=4, num_attention_
                     num_experts=4, top_k=2, first_k_dense=0, init_method_std=0.1)
 
 
-def _setup(parallel_kwargs):
+def _setup(parallel_kwargs, **model_overrides):
     from megatron_gspo.config import ModelConfig, ParallelConfig
     from megatron_gspo.model import build_model
     from megatron_gspo.parallel import init_parallel
     from megatron_gspo.rollout.local_engine import LocalEngine
     from moe.replay import RoutingReplay
 
-    cfg = ModelConfig(**ENGINE_MODEL)
+    cfg = ModelConfig(**{**ENGINE_MODEL, **model_overrides})
     ctx = init_parallel(ParallelConfig(**parallel_kwargs), cfg, seed=11)
     gpt = build_model(cfg, ctx, moe_enable_routing_replay=True)
     replay = RoutingReplay(gpt)
@@ -167,12 +169,12 @@ def rotated_cache_job(prompts):
         [len(s.response_ids) for s in rotated]
 
 
-def direct_decode_job(prompts):
+def direct_decode_job(prompts, model_overrides):
     """The engine's decoding steps through ``decode_step`` and through the model's forward: the
     same prompts and seeds, sampled (stop ids: the batch compacts) and greedy."""
     from megatron_gspo.rollout.types import SamplingParams
 
-    cfg, ctx, gpt, replay, engine = _setup({})
+    cfg, ctx, gpt, replay, engine = _setup({}, **model_overrides)
     direct = engine.direct_decode
     out = []
     for params in (SamplingParams(max_new_tokens=8, temperature=1.0, seed=7,
@@ -183,10 +185,20 @@ def direct_decode_job(prompts):
         rows = list(engine.decode_rows)
         engine.direct_decode = False
         model = engine.generate(prompts, 4, params)
-        out.append(dict(
-            tokens_equal=all(a.response_ids == b.response_ids for a, b in zip(fast, model)),
-            worst_logp=max(float((a.logprobs_R - b.logprobs_R).abs().max())
-                           for a, b in zip(fast, model)),
-            routes_equal=all(torch.equal(a.routes_TLK, b.routes_TLK) for a, b in zip(fast, model)),
+        same = [a.response_ids == b.response_ids for a, b in zip(fast, model)]
+        out.append(dict(  # (rows whose tokens differ compare nothing else)
+            tokens_equal=all(same),
+            worst_logp=max(float((a.logprobs_R - b.logprobs_R).abs().max()) if ok else math.inf
+                           for a, b, ok in zip(fast, model, same)),
+            routes_equal=all(ok and torch.equal(a.routes_TLK, b.routes_TLK)
+                             for a, b, ok in zip(fast, model, same)),
             decode_rows=rows, lengths=[len(s.response_ids) for s in fast]))
     return direct, out
+
+
+def decode_path_job(model_overrides):
+    """Whether the engine of a one-rank model with these options decodes directly, and why not."""
+    from megatron_gspo.rollout.decode_step import unsupported
+
+    cfg, ctx, gpt, replay, engine = _setup({}, **model_overrides)
+    return engine.direct_decode, unsupported(gpt, ctx)

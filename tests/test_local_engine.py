@@ -3,8 +3,9 @@
 import pytest
 
 from tests.distributed import run_layouts
-from tests.engine_workers import (big_batch_job, cache_vs_recompute_job, direct_decode_job,
-                                  engine_vs_trainer_job, rotated_cache_job, stop_job)
+from tests.engine_workers import (big_batch_job, cache_vs_recompute_job, decode_path_job,
+                                  direct_decode_job, engine_vs_trainer_job, rotated_cache_job,
+                                  stop_job)
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [1]]
 
@@ -27,15 +28,21 @@ CASES = [
 @pytest.fixture(scope="module")
 def runs():
     """Every engine job, one spawn per world size: {"layouts": per case, per rank results,
-    "stop", "cache", "big_batch", "rotated", "direct"}."""
+    "stop", "cache", "big_batch", "rotated", "direct", "direct_dense", "path_shared",
+    "path_sigmoid"}."""
     out = {"layouts": [None] * len(CASES)}
     for world in sorted({w for w, _, _ in CASES}):
         index = [i for i, (w, _, _) in enumerate(CASES) if w == world]
         cases = [(engine_vs_trainer_job, (CASES[i][1], PROMPTS, CASES[i][2])) for i in index]
-        extra = ["stop", "cache", "big_batch", "rotated", "direct"] if world == 1 else []
+        extra = ["stop", "cache", "big_batch", "rotated", "direct", "direct_dense",
+                 "path_shared", "path_sigmoid"] if world == 1 else []
         cases += [(stop_job, (PROMPTS,)), (cache_vs_recompute_job, (PROMPTS, 8)),
                   (big_batch_job, (64, 6)), (rotated_cache_job, (PROMPTS,)),
-                  (direct_decode_job, (PROMPTS,))][:len(extra)]
+                  (direct_decode_job, (PROMPTS, {})),
+                  # a dense first layer, softmax over all experts before the top-k
+                  (direct_decode_job, (PROMPTS, dict(first_k_dense=1, norm_topk_prob=False))),
+                  (decode_path_job, (dict(shared_expert_ffn_hidden_size=32),)),
+                  (decode_path_job, (dict(router_score_function="sigmoid"),))][:len(extra)]
         results = run_layouts(world, cases)
         for i, per_rank in zip(index, results):
             out["layouts"][i] = per_rank
@@ -101,16 +108,25 @@ def test_keys_cached_rotated_decode_as_megatrons_attention(runs):
     assert len(set(lengths)) >= 3  # rows stopped at different steps: the batch compacted
 
 
-def test_direct_decode_step_equals_the_models_forward(runs):
+@pytest.mark.parametrize("model", ["direct", "direct_dense"])
+def test_direct_decode_step_equals_the_models_forward(runs, model):
     """decode_step (the engine's decoding on one rank) against the model's own forward: the same
-    tokens and routes, log-probs within 1e-6, sampled with compaction and greedy."""
-    direct, cases = runs["direct"]
+    tokens and routes, log-probs within 1e-6, sampled with compaction and greedy; the engine's
+    model, and one with a dense first layer and softmax over all experts before the top-k."""
+    direct, cases = runs[model]
     assert direct
     for c in cases:
         assert c["tokens_equal"] and c["routes_equal"]
         assert c["worst_logp"] <= 1e-6
     sampled = cases[0]
     assert len(set(sampled["lengths"])) >= 3 and sampled["decode_rows"][-1] < 4 * len(PROMPTS)
+
+
+def test_options_decode_step_does_not_mirror_keep_the_models_forward(runs):
+    """A shared expert or sigmoid routing: the engine decodes through the model's forward."""
+    for key in ("path_shared", "path_sigmoid"):
+        direct, why = runs[key]
+        assert not direct and why == "an MoE option this step does not mirror"
 
 
 def test_batch_of_64_prompts_is_seeded_and_ordered(runs):

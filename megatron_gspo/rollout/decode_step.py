@@ -1,5 +1,5 @@
-"""One decoding step of the local engine, written against the megatron model's own parameters and
-static KV cache, for a model that lives whole on one CPU rank.
+"""The local engine's forwards (the prefill and each decoding step), written against the megatron
+model's own parameters and static KV cache, for a model that lives whole on one CPU rank.
 
 A decoding step feeds one token per row, and at the sizes the in-process engine runs on CPU its
 cost is mostly megatron-core's per-module Python (wrappers, checks, the token dispatcher's
@@ -13,10 +13,14 @@ projection, the router's fp32 logits, top-k and softmax as megatron's
 ``topk_routing_with_score_function``, the grouped experts over generation's cached weight stacks,
 the residual adds), without the modules around them.
 
+The prefill (each prompt once, ``T`` positions, causal with the left padding hidden) runs the
+same way with ``prefix_attention``: one generation of the compute shape 0.554 against 0.569 s
+with the model's forward for the prefill alone, tiny 0.046 against 0.050 s.
+
 ``unsupported`` names what this step does not cover; the engine then runs the model's own
 forward (every layout that splits the model over ranks: TP, EP, expert TP, PP, CP; shared
 experts, sigmoid routing, expert bias, grouped top-k, capacity, biases, Transformer Engine's
-modules, GPU). The prefill always runs the model's forward.
+modules, GPU).
 """
 
 from __future__ import annotations
@@ -108,38 +112,76 @@ def _dense_mlp(mlp: MLP, x_BH: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(a) * b, mlp.linear_fc2.weight)
 
 
-def decode_step(gpt, icx, tokens_B: torch.Tensor, offset: int, masked_B11S, freqs_S11D):
-    """Logits ``[B, 1, V]`` of one token per row at position ``offset`` (the cache holds
-    ``offset`` positions of these rows; ``masked``: True at hidden keys), and the rows' top-k
-    expert ids per MoE layer. Writes the step's keys and values into the cache, as the model's
-    forward does. Call inside ``cached_expert_weights``."""
-    x = gpt.embedding.word_embeddings.weight.index_select(0, tokens_B)  # [B, H]
-    b = x.shape[0]
-    cos, sin = _cos_sin(freqs_S11D[offset:offset + 1, 0], x.dtype)  # [1, 1, D]
+def prefix_attention(q_BNTD, k_BGSD, v_BGSD, masked_B1TS, scale=None):
+    """``T`` query positions per row against ``S`` keys (the prefill: causal and left padding in
+    ``masked``, True where a key is hidden), as two batched matmuls and a softmax, ``[B, N, T,
+    D]`` out. A query that sees no key at all (a padding position, whose output nothing reads:
+    its key is hidden from every real query and its routes are dropped) attends to every key
+    evenly instead of taking the NaN of a softmax over nothing, which its key and value would
+    carry into the real rows' attention (0 x NaN)."""
+    b, n, t, d = q_BNTD.shape
+    g, s = k_BGSD.shape[1], k_BGSD.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    blind = masked_B1TS.all(-1, keepdim=True)  # [B, 1, T, 1]
+    bias = torch.zeros(masked_B1TS.shape, dtype=q_BNTD.dtype, device=q_BNTD.device)
+    bias.masked_fill_(masked_B1TS & ~blind, float("-inf"))
+    bias = bias.unsqueeze(2).expand(b, g, n // g, t, s).reshape(b * g, n // g * t, s)
+    q = q_BNTD.reshape(b * g, n // g * t, d)  # a group's query heads stacked along the positions
+    p = torch.softmax(torch.baddbmm(bias, q,
+                                    k_BGSD.transpose(-1, -2).reshape(b * g, d, s), alpha=scale),
+                      dim=-1)
+    return torch.bmm(p, v_BGSD.reshape(b * g, s, d)).view(b, n, t, d)
+
+
+def _cache(icx, layer, b_d: tuple, like: torch.Tensor):
+    """This layer's static KV cache buffers, made as megatron's attention makes them
+    ([max positions, max rows, groups, head dim]) when the prefill runs here."""
+    if layer.layer_number not in icx.key_value_memory_dict:
+        shape = (icx.max_sequence_length, icx.max_batch_size) + b_d
+        icx.key_value_memory_dict[layer.layer_number] = (like.new_empty(shape),
+                                                         like.new_empty(shape))
+    return icx.key_value_memory_dict[layer.layer_number]
+
+
+def decode_step(gpt, icx, tokens_BT: torch.Tensor, offset: int, masked_B1TS, freqs_S11D):
+    """Logits ``[B, 1, V]`` at the last of ``T`` tokens per row fed at positions ``offset`` ..
+    ``offset + T - 1`` (the cache holds ``offset`` positions of these rows; ``masked``: True at
+    hidden keys), and the top-k expert ids per MoE layer of every token fed, in megatron's
+    ``[s, b]`` order. Writes the tokens' keys and values into the cache (making it at the
+    prefill), as the model's forward does. ``T`` is 1 when decoding, the padded prompt length
+    at the prefill. Call inside ``cached_expert_weights``."""
+    b, t = tokens_BT.shape
+    x = gpt.embedding.word_embeddings.weight.index_select(0, tokens_BT.t().reshape(-1))  # [T*B, H]
+    cos, sin = _cos_sin(freqs_S11D[offset:offset + t], x.dtype)  # [T, 1, 1, D]
     routes = []
     for layer in gpt.decoder.layers:
         attn = layer.self_attention
         g, d = attn.num_query_groups_per_partition, attn.hidden_size_per_attention_head
         n = attn.num_attention_heads_per_partition
         qkv = F.linear(_norm(x, layer.input_layernorm), attn.linear_qkv.weight)
-        qkv = qkv.view(b, g, (n // g + 2) * d)  # per group: its query heads, its key, its value
-        q = qkv[..., :n // g * d].reshape(b, n, d)
+        qkv = qkv.view(t, b, g, (n // g + 2) * d)  # per group: its query heads, key, value
+        q = qkv[..., :n // g * d].reshape(t, b, n, d)
         k, v = qkv[..., n // g * d:(n // g + 1) * d], qkv[..., (n // g + 1) * d:]
         q = _rotate(_norm(q, attn.q_layernorm), cos, sin)
         k = _rotate(_norm(k, attn.k_layernorm), cos, sin)
-        keys, values = icx.key_value_memory_dict[layer.layer_number]
-        keys[offset, :b] = k
-        values[offset, :b] = v
-        o = decode_attention(q.unsqueeze(2), keys[:offset + 1, :b].permute(1, 2, 0, 3),
-                             values[:offset + 1, :b].permute(1, 2, 0, 3), masked_B11S,
-                             attn.core_attention.softmax_scale)
-        x = x + F.linear(o.reshape(b, n * d), attn.linear_proj.weight)
+        keys, values = _cache(icx, layer, (g, d), k)
+        keys[offset:offset + t, :b] = k
+        values[offset:offset + t, :b] = v
+        k_BGSD = keys[:offset + t, :b].permute(1, 2, 0, 3)
+        v_BGSD = values[:offset + t, :b].permute(1, 2, 0, 3)
+        scale = attn.core_attention.softmax_scale
+        if t == 1:
+            o = decode_attention(q.permute(1, 2, 0, 3), k_BGSD, v_BGSD, masked_B1TS, scale)
+        else:
+            o = prefix_attention(q.permute(1, 2, 0, 3).contiguous(), k_BGSD, v_BGSD,
+                                 masked_B1TS, scale)
+        x = x + F.linear(o.permute(2, 0, 1, 3).reshape(t * b, n * d), attn.linear_proj.weight)
         h = _norm(x, layer.pre_mlp_layernorm)
         if isinstance(layer.mlp, MoELayer):
             x = x + _routed_experts(layer.mlp, h, layer.mlp.router.topk, routes)
         else:
             x = x + _dense_mlp(layer.mlp, h)
-    x = _norm(x, gpt.decoder.final_layernorm)
+    x = _norm(x[(t - 1) * b:], gpt.decoder.final_layernorm)  # the last position's rows
     logits = F.linear(x, gpt.shared_embedding_or_output_weight()
                       if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight)
     return logits.unsqueeze(1), routes

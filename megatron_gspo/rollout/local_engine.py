@@ -119,8 +119,8 @@ class LocalEngine:
         and decode until every one of them has finished."""
         self.gpt, self.ctx, self.replay, self.pad_id = gpt, ctx, replay, pad_id
         self.lockstep = lockstep_group
-        # Decoding steps through ``decode_step`` where it mirrors the model (a whole model on one
-        # CPU rank), else through the model's forward; the prefill always through the forward.
+        # The prefill and the decoding steps through ``decode_step`` where it mirrors the model
+        # (a whole model on one CPU rank), else through the model's forward.
         self.direct_decode = decode_step.unsupported(gpt, ctx) is None
 
     def health(self) -> bool:
@@ -218,11 +218,19 @@ class LocalEngine:
                     cached_expert_weights(self.gpt):
                 causal = torch.ones(p_len, p_len, dtype=torch.bool).tril()
                 attend = causal[None] & valid_BS[::samples_per_prompt, None, :p_len]
-                logits = self._forward(tokens_UP, torch.arange(p_len).expand(n_prompts, p_len),
-                                       (~attend)[:, None], icx)
+                freqs = self.gpt.rotary_pos_emb(s_len) if self.direct_decode else None
+                if self.direct_decode:
+                    logits, routes = decode_step.decode_step(
+                        self.gpt, icx, tokens_UP.to(self.ctx.device), 0,
+                        (~attend)[:, None].to(self.ctx.device), freqs)
+                    if recorded is not None:
+                        recorded.forwards.append(routes)
+                else:
+                    logits = self._forward(tokens_UP,
+                                           torch.arange(p_len).expand(n_prompts, p_len),
+                                           (~attend)[:, None], icx)
                 icx.sequence_len_offset += p_len
                 logits = self._to_rows(icx, logits, of_row, samples_per_prompt)
-                freqs = self.gpt.rotary_pos_emb(s_len) if self.direct_decode else None
                 for step in range(params.max_new_tokens):
                     token, logp = self._sample(logits, params, seeds_B, batch, step)
                     live = ~finished[batch]
@@ -243,7 +251,7 @@ class LocalEngine:
                     mask = ~valid_BS[batch][:, None, None, :offset + 1]
                     if self.direct_decode:
                         logits, routes = decode_step.decode_step(
-                            self.gpt, icx, token.to(self.ctx.device), offset,
+                            self.gpt, icx, token[:, None].to(self.ctx.device), offset,
                             mask.to(self.ctx.device), freqs)
                         if recorded is not None:
                             recorded.forwards.append(routes)

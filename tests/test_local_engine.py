@@ -191,3 +191,30 @@ def test_seeded_sampling_is_keyed_by_seed_and_step_and_follows_the_distribution(
     params = SamplingParams(temperature=1.0, top_k=3, top_p=0.8)  # top-3 {3, 0, 1}, then 80%
     token, _ = sample_next(logits, params, uniform_B=u)
     assert set(token.tolist()) == {3, 0}
+
+
+@pytest.mark.parametrize("heads,groups", [(4, 2), (3, 3)])
+def test_prefix_attention_is_the_written_out_formula(heads, groups):
+    """The direct prefill's attention: softmax(q K^T / sqrt(d), -inf at hidden keys) V per query
+    head, K and V of its group, float64, rows left-padded by different amounts under the causal
+    rule; a padding query that sees no key gets finite values (what it gets is never read)."""
+    import torch
+
+    from megatron_gspo.rollout.decode_step import prefix_attention
+
+    g = torch.Generator().manual_seed(3)
+    b, t, d = 3, 6, 4
+    q = torch.randn(b, heads, t, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(b, groups, t, d, generator=g, dtype=torch.float64) for _ in range(2))
+    pad = torch.tensor([0, 2, 5])
+    valid = torch.arange(t)[None, :] >= pad[:, None]  # [b, t]
+    hidden = ~(torch.ones(t, t, dtype=torch.bool).tril()[None] & valid[:, None, :])  # [b, t, t]
+    out = prefix_attention(q, k, v, hidden[:, None])
+    assert torch.isfinite(out).all()
+    for i in range(b):
+        for h in range(heads):
+            kv = h // (heads // groups)
+            scores = (q[i, h] @ k[i, kv].T / d ** 0.5).masked_fill(hidden[i], float("-inf"))
+            for pos in range(int(pad[i]), t):  # the real queries
+                expected = torch.softmax(scores[pos], -1) @ v[i, kv]
+                torch.testing.assert_close(out[i, h, pos], expected, rtol=1e-12, atol=1e-12)

@@ -29,20 +29,22 @@ CASES = [
 def runs():
     """Every engine job, one spawn per world size: {"layouts": per case, per rank results,
     "stop", "cache", "big_batch", "rotated", "direct", "direct_dense", "path_shared",
-    "path_sigmoid"}."""
+    "path_sigmoid", "path_width"}."""
     out = {"layouts": [None] * len(CASES)}
     for world in sorted({w for w, _, _ in CASES}):
         index = [i for i, (w, _, _) in enumerate(CASES) if w == world]
         cases = [(engine_vs_trainer_job, (CASES[i][1], PROMPTS, CASES[i][2])) for i in index]
         extra = ["stop", "cache", "big_batch", "rotated", "direct", "direct_dense",
-                 "path_shared", "path_sigmoid"] if world == 1 else []
+                 "path_shared", "path_sigmoid", "path_width"] if world == 1 else []
         cases += [(stop_job, (PROMPTS,)), (cache_vs_recompute_job, (PROMPTS, 8)),
                   (big_batch_job, (64, 6)), (rotated_cache_job, (PROMPTS,)),
                   (direct_decode_job, (PROMPTS, {})),
                   # a dense first layer, softmax over all experts before the top-k
                   (direct_decode_job, (PROMPTS, dict(first_k_dense=1, norm_topk_prob=False))),
                   (decode_path_job, (dict(shared_expert_ffn_hidden_size=32),)),
-                  (decode_path_job, (dict(router_score_function="sigmoid"),))][:len(extra)]
+                  (decode_path_job, (dict(router_score_function="sigmoid"),)),
+                  # an expert width grouped_mm cannot take (the experts loop instead)
+                  (decode_path_job, (dict(moe_ffn_hidden_size=30),))][:len(extra)]
         results = run_layouts(world, cases)
         for i, per_rank in zip(index, results):
             out["layouts"][i] = per_rank
@@ -123,8 +125,9 @@ def test_direct_decode_step_equals_the_models_forward(runs, model):
 
 
 def test_options_decode_step_does_not_mirror_keep_the_models_forward(runs):
-    """A shared expert or sigmoid routing: the engine decodes through the model's forward."""
-    for key in ("path_shared", "path_sigmoid"):
+    """A shared expert, sigmoid routing or experts that loop instead of grouped_mm: the engine
+    decodes through the model's forward."""
+    for key in ("path_shared", "path_sigmoid", "path_width"):
         direct, why = runs[key]
         assert not direct and why == "an MoE option this step does not mirror"
 

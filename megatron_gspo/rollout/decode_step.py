@@ -63,8 +63,10 @@ def unsupported(gpt, ctx) -> Optional[str]:
             return "not the local spec's attention"
         if isinstance(mlp, MoELayer):
             r = mlp.router
-            if (getattr(mlp, "shared_experts", None) is not None
-                    or not isinstance(mlp.experts, GroupedSequentialMLP)
+            grouped = isinstance(mlp.experts, GroupedSequentialMLP) and mlp.experts._grouped_ok(
+                torch.empty(1, c.hidden_size, dtype=c.params_dtype))  # grouped_mm's widths
+            if (getattr(mlp, "shared_experts", None) is not None or not grouped
+                    or (c.moe_router_dtype != "fp32" and c.params_dtype != torch.float32)
                     or r.score_function != "softmax" or r.expert_bias is not None
                     or c.moe_router_num_groups or c.moe_expert_capacity_factor is not None
                     or c.moe_input_jitter_eps is not None or c.moe_router_force_load_balancing

@@ -177,26 +177,32 @@ def short_causal_attention(q_BMND, k_BMGD, v_BMGD, scale=None):
     return torch.bmm(p, v).view(b, g, r, m, d).permute(0, 3, 1, 2, 4).reshape(b, m, n, d)
 
 
-def decode_attention(q_BN1D, k_BGSD, v_BGSD, masked_B11S=None, scale=None):
-    """One query position per row (decoding with a KV cache) against ``S`` keys, as two batched
-    matmuls and a softmax, ``[B, N, 1, D]`` out; ``masked``: True where a key is hidden (left
+def decode_attention(q_BNTD, k_BGSD, v_BGSD, masked_B1TS=None, scale=None):
+    """The last ``T`` positions' queries of each row (decoding with a KV cache: ``T`` = 1; the
+    local engine's direct prefill: the padded prompt) against ``S`` keys, as two batched matmuls
+    and a softmax, ``[B, N, T, D]`` out; ``masked``: True where a key is hidden (causal rule, left
     padding). SDPA's CPU kernel costs about 1.7x this on the compute shape's decoding steps (128
     rows, 8 heads / 4 groups, 12-33 keys: 318-353 against 194-216 us). The ``r = N / G`` query
-    heads of a group share one product with the group's keys."""
-    b, n, _, d = q_BN1D.shape
+    heads of a group are stacked along the positions and share one product with the group's
+    keys. A query that sees no key at all (a prefill's padding position, whose output nothing
+    reads: its key is hidden from every real query) attends to every key evenly instead of
+    taking the NaN of a softmax over nothing, which its key and value would carry into the real
+    rows' attention (0 x NaN); a decoding step's query always sees its own key."""
+    b, n, t, d = q_BNTD.shape
     g, s = k_BGSD.shape[1], k_BGSD.shape[2]
     scale = d ** -0.5 if scale is None else scale
-    q = q_BN1D.reshape(b * g, n // g, d)
+    q = q_BNTD.reshape(b * g, n // g * t, d)
     k = k_BGSD.transpose(-1, -2).reshape(b * g, d, s)
     v = v_BGSD.reshape(b * g, s, d)
-    if masked_B11S is None:
+    if masked_B1TS is None:
         p = torch.softmax(torch.bmm(q, k).mul_(scale), dim=-1)
     else:
-        bias = torch.zeros(masked_B11S.shape, dtype=q.dtype, device=q.device).masked_fill_(
-            masked_B11S, float("-inf"))
-        p = torch.softmax(torch.baddbmm(bias.expand(b, g, 1, s).reshape(b * g, 1, s), q, k,
-                                        alpha=scale), dim=-1)
-    return torch.bmm(p, v).view(b, n, 1, d)
+        hidden = masked_B1TS if t == 1 else masked_B1TS & ~masked_B1TS.all(-1, keepdim=True)
+        bias = torch.zeros(masked_B1TS.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            hidden, float("-inf"))
+        bias = bias.unsqueeze(2).expand(b, g, n // g, t, s).reshape(b * g, n // g * t, s)
+        p = torch.softmax(torch.baddbmm(bias, q, k, alpha=scale), dim=-1)
+    return torch.bmm(p, v).view(b, n, t, d)
 
 
 class SDPAttention(DotProductAttention):

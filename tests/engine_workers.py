@@ -66,19 +66,8 @@ def engine_vs_trainer_job(parallel_kwargs, prompts, params_kwargs):
         if out is not None:
             logit_shapes.append(tuple(out.shape))
         return out
-    engine._forward = spy
-    from megatron_gspo.rollout import decode_step
-    direct_step = decode_step.decode_step
-
-    def direct_spy(*args):  # the one-rank path's prefill and decoding steps
-        logits, routes = direct_step(*args)
-        logit_shapes.append(tuple(logits.shape))
-        return logits, routes
-    decode_step.decode_step = direct_spy
-    try:
-        samples = engine.generate(prompts, 4, params)
-    finally:
-        decode_step.decode_step = direct_step
+    engine._forward = spy  # (the one-rank direct path's forwards too)
+    samples = engine.generate(prompts, 4, params)
     from moe.records import local_moe_layers
 
     diffs, routes_equal, shapes_ok, route_layers = [], True, True, 0

@@ -203,7 +203,7 @@ def test_prefix_attention_is_the_written_out_formula(heads, groups):
     rule; a padding query that sees no key gets finite values (what it gets is never read)."""
     import torch
 
-    from megatron_gspo.rollout.decode_step import prefix_attention
+    from megatron_gspo.layers import decode_attention
 
     g = torch.Generator().manual_seed(3)
     b, t, d = 3, 6, 4
@@ -212,7 +212,7 @@ def test_prefix_attention_is_the_written_out_formula(heads, groups):
     pad = torch.tensor([0, 2, 5])
     valid = torch.arange(t)[None, :] >= pad[:, None]  # [b, t]
     hidden = ~(torch.ones(t, t, dtype=torch.bool).tril()[None] & valid[:, None, :])  # [b, t, t]
-    out = prefix_attention(q, k, v, hidden[:, None])
+    out = decode_attention(q, k, v, hidden[:, None])
     assert torch.isfinite(out).all()
     for i in range(b):
         for h in range(heads):

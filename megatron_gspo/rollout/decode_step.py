@@ -14,8 +14,9 @@ projection, the router's fp32 logits, top-k and softmax as megatron's
 the residual adds), without the modules around them.
 
 The prefill (each prompt once, ``T`` positions, causal with the left padding hidden) runs the
-same way with ``prefix_attention``: one generation of the compute shape 0.554 against 0.569 s
-with the model's forward for the prefill alone, tiny 0.046 against 0.050 s.
+same way, its attention through ``layers.decode_attention`` too: one generation of the compute
+shape 0.554 against 0.569 s with the model's forward for the prefill alone, tiny 0.046 against
+0.050 s.
 
 ``unsupported`` names what this step does not cover; the engine then runs the model's own
 forward (every layout that splits the model over ranks: TP, EP, expert TP, PP, CP; shared
@@ -84,8 +85,9 @@ def _norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
 
 
 def _routed_experts(mlp: MoELayer, x_BH: torch.Tensor, k: int, routes: list) -> torch.Tensor:
-    """megatron's router (fp32 logits; softmax then top-k, or top-k then softmax over the k) and
-    the grouped experts over their cached stacks; the rows' top-k ids appended to ``routes``."""
+    """megatron's router (fp32 logits; softmax then top-k, or top-k then softmax over the k), the
+    rows grouped by expert through the layer's experts and combined; the rows' top-k ids appended
+    to ``routes``."""
     c = mlp.config
     logits = F.linear(x_BH.float(), mlp.router.weight.float())
     if c.moe_router_pre_softmax:
@@ -99,40 +101,16 @@ def _routed_experts(mlp: MoELayer, x_BH: torch.Tensor, k: int, routes: list) -> 
     flat = ids_BK.flatten()
     order = flat.argsort(stable=True)  # the rows grouped by expert, as the dispatcher groups them
     rows = order // k
-    offsets = torch.bincount(flat, minlength=c.num_moe_experts).cumsum(0).to(torch.int32)
-    w1, w2 = mlp.experts._stacked_weights()
-    h = F.grouped_mm(x_BH.index_select(0, rows), w1, offs=offsets)
-    f = h.shape[1] // 2
-    g = F.silu(h[:, :f]).mul_(h[:, f:])
-    g = (g * probs_BK.flatten().index_select(0, order).unsqueeze(-1)).to(x_BH.dtype)
-    return torch.zeros_like(x_BH).index_add_(0, rows, F.grouped_mm(g, w2, offs=offsets))
+    out, _ = mlp.experts(x_BH.index_select(0, rows),  # the layer's own experts (cached stacks)
+                         torch.bincount(flat, minlength=c.num_moe_experts),
+                         probs_BK.flatten().index_select(0, order))
+    return torch.zeros_like(x_BH).index_add_(0, rows, out)
 
 
 def _dense_mlp(mlp: MLP, x_BH: torch.Tensor) -> torch.Tensor:
     h = F.linear(x_BH, mlp.linear_fc1.weight)
     a, b = torch.chunk(h, 2, dim=-1)
     return F.linear(F.silu(a) * b, mlp.linear_fc2.weight)
-
-
-def prefix_attention(q_BNTD, k_BGSD, v_BGSD, masked_B1TS, scale=None):
-    """``T`` query positions per row against ``S`` keys (the prefill: causal and left padding in
-    ``masked``, True where a key is hidden), as two batched matmuls and a softmax, ``[B, N, T,
-    D]`` out. A query that sees no key at all (a padding position, whose output nothing reads:
-    its key is hidden from every real query and its routes are dropped) attends to every key
-    evenly instead of taking the NaN of a softmax over nothing, which its key and value would
-    carry into the real rows' attention (0 x NaN)."""
-    b, n, t, d = q_BNTD.shape
-    g, s = k_BGSD.shape[1], k_BGSD.shape[2]
-    scale = d ** -0.5 if scale is None else scale
-    blind = masked_B1TS.all(-1, keepdim=True)  # [B, 1, T, 1]
-    bias = torch.zeros(masked_B1TS.shape, dtype=q_BNTD.dtype, device=q_BNTD.device)
-    bias.masked_fill_(masked_B1TS & ~blind, float("-inf"))
-    bias = bias.unsqueeze(2).expand(b, g, n // g, t, s).reshape(b * g, n // g * t, s)
-    q = q_BNTD.reshape(b * g, n // g * t, d)  # a group's query heads stacked along the positions
-    p = torch.softmax(torch.baddbmm(bias, q,
-                                    k_BGSD.transpose(-1, -2).reshape(b * g, d, s), alpha=scale),
-                      dim=-1)
-    return torch.bmm(p, v_BGSD.reshape(b * g, s, d)).view(b, n, t, d)
 
 
 def _cache(icx, layer, b_d: tuple, like: torch.Tensor):
@@ -171,12 +149,8 @@ def decode_step(gpt, icx, tokens_BT: torch.Tensor, offset: int, masked_B1TS, fre
         values[offset:offset + t, :b] = v
         k_BGSD = keys[:offset + t, :b].permute(1, 2, 0, 3)
         v_BGSD = values[:offset + t, :b].permute(1, 2, 0, 3)
-        scale = attn.core_attention.softmax_scale
-        if t == 1:
-            o = decode_attention(q.permute(1, 2, 0, 3), k_BGSD, v_BGSD, masked_B1TS, scale)
-        else:
-            o = prefix_attention(q.permute(1, 2, 0, 3).contiguous(), k_BGSD, v_BGSD,
-                                 masked_B1TS, scale)
+        o = decode_attention(q.permute(1, 2, 0, 3), k_BGSD, v_BGSD, masked_B1TS,
+                             attn.core_attention.softmax_scale)
         x = x + F.linear(o.permute(2, 0, 1, 3).reshape(t * b, n * d), attn.linear_proj.weight)
         h = _norm(x, layer.pre_mlp_layernorm)
         if isinstance(layer.mlp, MoELayer):

@@ -135,10 +135,19 @@ class LocalEngine:
         if source is not None:
             self.gpt.load_state_dict(source, strict=True)
 
-    def _forward(self, tokens_BS, positions_BS, mask, icx):
+    def _forward(self, tokens_BS, positions_BS, mask, icx, recorded=None):
         """One forward through every pipeline stage: hidden states go stage to stage, the last
-        stage returns logits (None elsewhere)."""
+        stage returns logits (None elsewhere). With ``direct_decode``, ``decode_step`` on this
+        rank's whole model instead (the positions follow the cache's), its routes appended to
+        ``recorded`` (the model's routers record their own otherwise)."""
         ctx, device = self.ctx, self.ctx.device
+        if self.direct_decode:
+            logits, routes = decode_step.decode_step(
+                self.gpt, icx, tokens_BS.to(device), icx.sequence_len_offset, mask.to(device),
+                self.gpt.rotary_pos_emb(icx.max_sequence_length))
+            if recorded is not None:
+                recorded.forwards.append(routes)
+            return logits
         if ctx.pp > 1 and not ctx.is_first_stage:
             hidden = torch.empty(tokens_BS.shape[1], tokens_BS.shape[0], self.gpt.config.hidden_size,
                                  dtype=self.gpt.config.params_dtype, device=device)
@@ -218,17 +227,8 @@ class LocalEngine:
                     cached_expert_weights(self.gpt):
                 causal = torch.ones(p_len, p_len, dtype=torch.bool).tril()
                 attend = causal[None] & valid_BS[::samples_per_prompt, None, :p_len]
-                freqs = self.gpt.rotary_pos_emb(s_len) if self.direct_decode else None
-                if self.direct_decode:
-                    logits, routes = decode_step.decode_step(
-                        self.gpt, icx, tokens_UP.to(self.ctx.device), 0,
-                        (~attend)[:, None].to(self.ctx.device), freqs)
-                    if recorded is not None:
-                        recorded.forwards.append(routes)
-                else:
-                    logits = self._forward(tokens_UP,
-                                           torch.arange(p_len).expand(n_prompts, p_len),
-                                           (~attend)[:, None], icx)
+                logits = self._forward(tokens_UP, torch.arange(p_len).expand(n_prompts, p_len),
+                                       (~attend)[:, None], icx, recorded)
                 icx.sequence_len_offset += p_len
                 logits = self._to_rows(icx, logits, of_row, samples_per_prompt)
                 for step in range(params.max_new_tokens):
@@ -249,15 +249,8 @@ class LocalEngine:
                     offset = icx.sequence_len_offset
                     icx.enable_decode_mode()
                     mask = ~valid_BS[batch][:, None, None, :offset + 1]
-                    if self.direct_decode:
-                        logits, routes = decode_step.decode_step(
-                            self.gpt, icx, token[:, None].to(self.ctx.device), offset,
-                            mask.to(self.ctx.device), freqs)
-                        if recorded is not None:
-                            recorded.forwards.append(routes)
-                    else:
-                        logits = self._forward(token[:, None],
-                                               torch.full((len(batch), 1), offset), mask, icx)
+                    logits = self._forward(token[:, None], torch.full((len(batch), 1), offset),
+                                           mask, icx, recorded)
                     fed.append(batch)
                     icx.sequence_len_offset += 1
                     valid_BS[:, offset] = True

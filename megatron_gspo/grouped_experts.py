@@ -81,7 +81,7 @@ class _ExpertsSwiGLU(torch.autograd.Function):
         d_fc2 = []
         for (r0, r1), w in zip(bounds, fc2):
             torch.mm(grad_TH[r0:r1], w, out=dg_TF[r0:r1])
-            d_fc2.append(grad_TH[r0:r1].t() @ g_TF[r0:r1])
+            d_fc2.append(_weight_grad(w, grad_TH[r0:r1].t(), g_TF[r0:r1]))
         d_probs = (dg_TF * sb_TF).sum(-1) if ctx.needs_input_grad[1] else None
         dsb_TF = dg_TF.mul_(probs_T.unsqueeze(-1))
         f = h_TF2.shape[1] // 2
@@ -93,8 +93,21 @@ class _ExpertsSwiGLU(torch.autograd.Function):
         d_fc1 = []
         for (r0, r1), w in zip(bounds, fc1):
             torch.mm(dh_TF2[r0:r1], w, out=dx_TH[r0:r1])
-            d_fc1.append(dh_TF2[r0:r1].t() @ x_TH[r0:r1])
+            d_fc1.append(_weight_grad(w, dh_TF2[r0:r1].t(), x_TH[r0:r1]))
         return (dx_TH, d_probs, None, None, *d_fc1, *d_fc2)
+
+
+def _weight_grad(weight, a, b):
+    """The gradient ``a @ b`` of ``weight``; added straight into ``weight.main_grad`` by the
+    matmul (``addmm_``) where Megatron's DDP gave it one of the weight's dtype, as its fused
+    linear layers do (``grad_added_to_main_grad``: its backward hook then adds nothing), so no
+    gradient tensor is written and then read again for the hook's addition: None returned."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None or main_grad.dtype != weight.dtype:
+        return a @ b
+    main_grad.addmm_(a, b)
+    weight.grad_added_to_main_grad = True
+    return None
 
 
 class GroupedSequentialMLP(SequentialMLP):

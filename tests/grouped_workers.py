@@ -5,14 +5,18 @@ from __future__ import annotations
 
 def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "float32",
                       glu_offset: float = 0.0, clamp: float | None = None,
-                      expert_width: int = 256) -> dict:
+                      expert_width: int = 256, ddp: bool = False) -> dict:
     """Every MoE layer's experts of a tiny model (16 experts, top-4): the same tokens through
     SequentialMLP and through GroupedSequentialMLP sharing its parameters; the largest
     differences of the outputs, of the input gradients and of the weight gradients, relative to
     the largest value of each (of all the layer's expert weight gradients for the latter).
     ``glu_offset`` / ``clamp``: Megatron's GLU variants (``glu_linear_offset``,
     ``activation_func_clamp_value``). ``expert_width`` 256 makes each expert's fc1 weight
-    (512 x 64, 256 x 64 per rank under expert TP 2) large enough for the CPU function."""
+    (512 x 64, 256 x 64 per rank under expert TP 2) large enough for the CPU function.
+    ``ddp``: the model wrapped in Megatron's DistributedDataParallel, weight gradients read from
+    its ``main_grad`` buffers (the CPU function adds its weight gradients there itself), and a
+    second backward through GroupedSequentialMLP must double them ("accum": its largest
+    relative difference from twice the first)."""
     import copy
 
     import torch
@@ -29,11 +33,17 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
     ctx = init_parallel(ParallelConfig(ep=ep, tp=tp, sequence_parallel=tp > 1), cfg,
                         seed=seed)  # expert TP = tp
     gpt = build_model(cfg, ctx, use_grouped_experts=False)
+    if ddp:
+        from megatron_gspo.optim import wrap_ddp
+
+        wrapped = wrap_ddp(gpt, ctx, use_distributed_optimizer=False)
     for module in gpt.modules():  # the experts hold copies of the model's config
         if getattr(module, "config", None) is not None:
             module.config.glu_linear_offset = glu_offset
             module.config.activation_func_clamp_value = clamp
     diffs = {"out": [], "dx": [], "dw": []}  # per layer, reduced by torch (a NaN stays)
+    if ddp:
+        diffs["accum"] = []
     paths = set()  # the forwards GroupedSequentialMLP took
     g = torch.Generator().manual_seed(seed + 10 * ctx.rank)
     for layer in gpt.decoder.layers:
@@ -52,9 +62,21 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
             xi = x.clone().requires_grad_()
             for p in module.parameters():
                 p.grad = None
+            if ddp:
+                wrapped.zero_grad_buffer()
             y, _ = module(xi, counts, probs)
             (y * w_out).sum().backward()
-            results.append((y.detach(), xi.grad, [p.grad.clone() for p in module.parameters()]))
+            if ddp:
+                assert all(p.grad is None for p in module.parameters())
+            results.append((y.detach(), xi.grad, [(p.main_grad if ddp else p.grad).clone()
+                                                  for p in module.parameters()]))
+        if ddp:  # the same backward again: the buffers hold twice the gradients
+            y, _ = grouped(x.clone().requires_grad_(), counts, probs)
+            (y * w_out).sum().backward()
+            twice = [p.main_grad for p in grouped.parameters()]
+            diffs["accum"].append(torch.stack([(t - 2 * a).abs().max() for t, a in
+                                               zip(twice, results[1][2])]).max()
+                                  / torch.stack([a.abs().max() for a in results[1][2]]).max())
         paths.add(grouped.path(x, probs))
         (y0, dx0, dw0), (y1, dx1, dw1) = results
         diffs["out"].append((y0 - y1).abs().max() / y0.abs().max())

@@ -222,9 +222,32 @@ class Layout:
                       segment_rows=tuple(seg.owner for seg in segments),
                       prefix_of=tuple(seg.prefix for seg in segments))
 
+    @staticmethod
+    def concat(layouts: Sequence["Layout"]) -> "Layout":
+        """Packed layouts back to back as one packed row: each keeps its segments, shared
+        prefixes and padding (so the row's length stays a multiple of ``row_multiple``)."""
+        if len(layouts) == 1:
+            return layouts[0]
+        cu, prefix_of, tokens, segments = [layouts[0].cu_seqlens[:1]], [], 0, 0
+        for layout in layouts:
+            cu.append(layout.cu_seqlens[1:] + tokens)
+            prefix_of += [p + segments if p >= 0 else -1 for p in layout.prefix_of]
+            tokens += int(layout.cu_seqlens[-1])
+            segments += layout.num_segments
+        cat = lambda name: torch.cat([getattr(layout, name) for layout in layouts])  # noqa: E731
+        return Layout(sum((layout.rows for layout in layouts), ()), torch.cat(cu), cat("row_N"),
+                      cat("pos_N"), cat("valid_N"),
+                      segment_rows=sum((layout.segment_rows for layout in layouts), ()),
+                      prefix_of=tuple(prefix_of))
+
     @property
     def num_segments(self) -> int:
         return len(self.cu_seqlens) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the packed row (padding included)."""
+        return int(self.cu_seqlens[-1])
 
     def segment_N(self) -> torch.Tensor:
         return seq_index_from_cu_seqlens(self.cu_seqlens.long())
@@ -301,6 +324,26 @@ def packed_layouts(plan: StepPlan, dp_rank: int, lengths: Sequence[Sequence[int]
             start += len(rows)
         out.append(layouts)
     return out
+
+
+def forward_only_layouts(layouts: Sequence[Layout], budget: int) -> list[Layout]:
+    """Packed micro-batches regrouped for a forward-only pass (log-probs; no routes recorded or
+    replayed, which follow the updates' micro-batches): consecutive ones concatenated while the
+    row stays within ``budget`` tokens, so the pass runs fewer, longer forwards (the updates'
+    micro-batches are cut per mini-batch: four mini-batches of a 16 x 8 batch at 1-2k tokens
+    each are four forwards, and on a small model each forward's cost is mostly per-operator, not
+    per-token). Each rank regroups its own: only for passes without expert parallelism (whose
+    dispatch pairs micro-batches across ranks) or pipeline stages (one shape per pass); padded
+    layouts stay as they are."""
+    if not layouts or not all(layout.packed for layout in layouts):
+        return list(layouts)
+    groups = [[layouts[0]]]
+    for layout in layouts[1:]:
+        if sum(g.num_tokens for g in groups[-1]) + layout.num_tokens <= budget:
+            groups[-1].append(layout)
+        else:
+            groups.append([layout])
+    return [Layout.concat(group) for group in groups]
 
 
 def layouts_of(batch: RolloutBatch, minibatches: int, size: int, group_size: int = 0

@@ -50,9 +50,9 @@ from megatron_gspo.policy import (logprob_pass, normalizer_for, policy_update, s
 from megatron_gspo.policy_io import export_hf_dir, hf_config_at
 from megatron_gspo.rewards import get_reward
 from megatron_gspo.rewards.pool import InlineScorer, RewardPool, make_scorer
-from megatron_gspo.rl_batch import (build_batch, exchange_rows, layouts_of, micro_batch,
-                                    packed_layouts, prompt_shares, round_up, route_targets,
-                                    row_width, width_multiple)
+from megatron_gspo.rl_batch import (build_batch, exchange_rows, forward_only_layouts, layouts_of,
+                                    micro_batch, packed_layouts, prompt_shares, round_up,
+                                    route_targets, row_width, width_multiple)
 from megatron_gspo.rollout.local_engine import LocalEngine
 from megatron_gspo.rollout.sglang_engine import SGLangEngine, init_weights_update_group
 from megatron_gspo.rollout.sglang_layout import ServerLayout
@@ -374,12 +374,15 @@ def old_logprobs(run: Run, batch):
         r3 = _targets(run, batch, layouts) if job.replay.mode == "r3" else None
         # Recorded routes serve R2 and the drift probe's first forward, which never skip.
         record = run.replay is not None and r3 is None and not skip
-        logp = []
-        if skip < len(mbs):
+        logp, passed = [], layouts[skip:]
+        if passed and not record and r3 is None and _regroups(run):
+            passed = forward_only_layouts(passed, job.trainer.max_tokens_per_micro_batch)
+            mbs = [None] * skip + _micro_batches(run, batch, passed)
+        if passed:
             logp, routes = logprob_pass(run.ddp, mbs[skip:], run.ctx, temperature=temp,
                                         replay=run.replay, record=record,
                                         targets=r3[skip:] if r3 is not None else None)
-        logp = _unpack(batch, layouts[skip:], logp)
+        logp = _unpack(batch, passed, logp)
         for layout in layouts[:skip]:  # until the first update fills them: loud if read
             layout.scatter(logp, torch.full_like(layout.gather(logp), float("nan")))
         routes = r3 if r3 is not None else routes
@@ -388,9 +391,18 @@ def old_logprobs(run: Run, batch):
         batch.recomputed_logp_BS = logp
         batch.first_minibatch_pending = bool(skip)
     if run.ref_model is not None:
+        if _regroups(run):
+            layouts = forward_only_layouts(layouts, job.trainer.max_tokens_per_micro_batch)
+            mbs = _micro_batches(run, batch, layouts)
         ref, _ = logprob_pass(run.ref_model, mbs, run.ctx, temperature=temp)
         batch.ref_logp_BS = _unpack(batch, layouts, ref)
     return routes
+
+
+def _regroups(run: Run) -> bool:
+    """Whether forward-only passes may regroup the packed micro-batches
+    (``rl_batch.forward_only_layouts``): no expert parallelism, no pipeline stages."""
+    return run.ctx.ep == 1 and run.ctx.pp == 1
 
 
 def correct_for_the_engine(run: Run, batch) -> dict:

@@ -126,6 +126,8 @@ def first_minibatch_job(cfg: dict) -> dict:
             "first_minibatch": len(per_k[0]),
             "old_equal": torch.equal(batch.old_logp_BS, reference),
             "recomputed_equal": torch.equal(batch.recomputed_logp_BS, reference),
+            "old_max_diff": float((batch.old_logp_BS - reference).abs().max()),
+            "recomputed_max_diff": float((batch.recomputed_logp_BS - reference).abs().max()),
             "ratio": [float(r.metrics["ratio_mean"]) for r in results],
             # the reference model's log-probs (KL term) at every response target
             "reference_filled": batch.ref_logp_BS is not None

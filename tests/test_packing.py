@@ -162,6 +162,41 @@ def test_rows_sharing_no_token_balance_as_rows_and_rounded_units_keep_the_budget
     assert [len(mb) for mb in whole.micro[0][0]] == [2]
 
 
+def test_layouts_concatenated_for_a_forward_only_pass():
+    """Packed layouts back to back: segments, shared prefixes (renumbered) and padding kept;
+    consecutive ones grouped under the token budget, in order; padded layouts untouched."""
+    from megatron_gspo.rl_batch import forward_only_layouts
+
+    values = torch.arange(5 * 8, dtype=torch.float32).reshape(5, 8) + 1
+    a = Layout.packed_rows([0, 1], [5, 7], row_multiple=4, prefixes=[("p", 3), ("p", 3)])
+    b = Layout.packed_rows([3], [4], row_multiple=4)
+    c = Layout.packed_rows([2, 4], [6, 6], row_multiple=4, prefixes=[("q", 2), ("q", 2)])
+    assert [x.num_tokens for x in (a, b, c)] == [12, 4, 12]
+    ab = Layout.concat([a, b])
+    assert ab.rows == (0, 1, 3) and ab.cu_seqlens.tolist() == [0, 3, 5, 9, 12, 16]
+    assert ab.prefix_of == (-1, 0, 0, -1, -1) and ab.segment_rows == (-1, 0, 1, -1, 3)
+    abc = Layout.concat([a, b, c])
+    assert abc.prefix_of[5:] == (-1, 5, 5, -1)  # c's prefix: segment 0 of c, 5 of the row
+    assert abc.cu_seqlens.tolist()[5:] == [16, 18, 22, 26, 28]
+    assert torch.equal(abc.gather(values), torch.cat([x.gather(values) for x in (a, b, c)], 1))
+    back = torch.zeros(5, 8)
+    abc.scatter(back, abc.gather(values))
+    ref = torch.zeros(5, 8)
+    for x in (a, b, c):
+        x.scatter(ref, x.gather(values))
+    assert torch.equal(back, ref)
+    from megatron_gspo.forward import packed_positions
+
+    assert torch.equal(packed_positions(tuple(abc.cu_seqlens.tolist()), abc.prefix_of)[abc.valid_N],
+                       abc.pos_N[abc.valid_N])
+    grouped = forward_only_layouts([a, b, c], budget=16)
+    assert [x.rows for x in grouped] == [(0, 1, 3), (2, 4)]
+    assert [x.rows for x in forward_only_layouts([a, b, c], budget=28)] == [(0, 1, 3, 2, 4)]
+    assert [x.rows for x in forward_only_layouts([a, b, c], budget=4)] == [(0, 1), (3,), (2, 4)]
+    padded = [Layout((0, 1)), Layout((2, 3))]
+    assert forward_only_layouts(padded, budget=100) == padded
+
+
 def test_a_shared_prompt_layout_feeds_the_prefix_once_and_covers_every_target():
     values = torch.arange(4 * 8, dtype=torch.float32).reshape(4, 8) + 1
     # rows 3 and 1 share 3 prompt tokens (fed lengths 5 and 7), row 0 stands alone (4 tokens)
@@ -406,7 +441,9 @@ def test_first_minibatch_behaviour_logprobs_come_from_its_update(parallel):
     """The old-policy pass skips the first mini-batch (its update's forward is on the old policy
     and gives its behaviour log-probs); the batch's behaviour log-probs are bitwise those of a
     pass over every micro-batch. Nothing is skipped under R2 (which replays the pass's routes)
-    nor when the drift probe reads the pass's first forward (padded rows)."""
+    nor when the drift probe reads the pass's first forward (padded rows). (The pass does not
+    regroup micro-batches here: every packed one holds close to the 40-token budget, so no two
+    consecutive ones fit it together; see the next test.)"""
     combos = FIRST if not parallel else FIRST[2:4]
     cases = [(first_minibatch_job, (merge(PACKING, {
         "algo": {"name": algo}, "replay": {"mode": replay},
@@ -438,3 +475,35 @@ def test_one_minibatch_needs_no_old_policy_pass_and_the_kl_pass_stays():
     assert kl["old_pass_forwards"] == kl["micro_batches"] - kl["first_minibatch"]
     assert kl["old_equal"] and kl["recomputed_equal"] and kl["ratio"][0] == 1.0
     assert kl["reference_filled"] and not one["reference_filled"]
+
+
+@pytest.mark.parametrize("ranks,parallel", [(1, {}), (2, {}), (2, {"tp": 2, "sequence_parallel": True}),
+                                            (2, {"cp": 2}), (2, {"ep": 2}), (2, {"pp": 2})],
+                         ids=["1", "dp2", "tp2_sp", "cp2", "ep2", "pp2"])
+def test_the_old_policy_pass_regroups_packed_micro_batches(ranks, parallel):
+    """Four mini-batches of one packed micro-batch each (a 1000-token budget; whole groups, so
+    each feeds its prompt once): the old-policy pass feeds the last three as one packed row
+    (rl_batch.forward_only_layouts, the shared prefixes kept) and gets the
+    log-probs of a pass over each micro-batch within 1e-5 (fp32); not under expert
+    parallelism (its dispatch pairs the ranks' micro-batches) or pipeline stages (one shape
+    per pass), nor when it records routes (R2) or replays the engine's (R3), which follow the
+    updates' micro-batches: there, one forward each and the same log-probs bitwise."""
+    combos = [("none", "gspo"), ("r2", "gspo"), ("r3", "grpo")]
+    cases = [(first_minibatch_job, (merge(PACKING, {
+        "algo": {"name": algo, "minibatches": 4, "minibatch_split": "groups"},
+        "replay": {"mode": replay},
+        "trainer": {"packing": True, "max_tokens_per_micro_batch": 1000},
+        "rollout": {"prompts_per_step": 8}, "logging": {"progress": False, "drift": False}, "parallel": parallel,
+        "run_dir": tempfile.mkdtemp()}),)) for replay, algo in combos]
+    results = run_layouts(ranks, cases)
+    for (replay, _), per_rank in zip(combos, results):
+        for r in per_rank:
+            assert r["micro_batches"] == 4 and r["first_minibatch"] == 1, r
+            skipped = 0 if replay == "r2" else 1
+            if replay == "none" and "ep" not in parallel and "pp" not in parallel:
+                assert r["old_pass_forwards"] == 1, (replay, r)
+                assert r["old_max_diff"] <= 1e-5 and r["recomputed_max_diff"] <= 1e-5, r
+            else:
+                assert r["old_pass_forwards"] == 4 - skipped, (replay, r)
+                assert r["old_equal"] and r["recomputed_equal"], (replay, r)
+            assert r["ratio"][0] == 1.0, (replay, r)

@@ -232,14 +232,30 @@ def main() -> None:
     for a in table:
         print(f"  {a.key[:60]:60s} {a.self_cpu_time_total / 1e3 / steps:9.1f}  x{a.count // steps}")
     if args.detail:
-        print(f"\noperators under '{args.detail}' (self time, ms per step, forward only):")
+        print(f"\noperators under '{args.detail}' (self time, ms per step; backward operators "
+              f"as 'name (backward)', by the module their autograd node's forward ran under):")
         by_name = collections.defaultdict(lambda: [0.0, 0])
-        for e in prof.events():
-            kind = nearest_range(e) or "other ops"
+        events = prof.events()
+        seq_kind = {}
+        for e in events:
+            if e.sequence_nr >= 0 and not e.name.startswith("autograd::engine"):
+                seq_kind.setdefault(e.sequence_nr, nearest_range(e) or "other ops")
+        for e in events:
+            node = e.cpu_parent
+            while node is not None and not node.name.startswith("autograd::engine"):
+                node = node.cpu_parent
+            if node is not None or e.name.startswith("autograd::engine"):
+                node = node or e
+                kind = seq_kind.get(node.sequence_nr, "other ops")
+                if e.name.startswith("autograd::engine"):
+                    continue
+                name = f"{e.name} (backward)"
+            else:
+                kind, name = nearest_range(e) or "other ops", e.name
             phase_ok = args.detail_phase is None or nearest_range(e, "phase:") == args.detail_phase
             if not e.name.startswith(("module:", "phase:")) and kind == args.detail and phase_ok:
-                by_name[e.name][0] += e.self_cpu_time_total / 1e3 / steps
-                by_name[e.name][1] += 1
+                by_name[name][0] += e.self_cpu_time_total / 1e3 / steps
+                by_name[name][1] += 1
         for name, (ms, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:args.top]:
             print(f"  {name[:60]:60s} {ms:9.1f}  x{count // steps}")
     run.logger.close()

@@ -167,3 +167,43 @@ def test_cached_rope_equals_megatrons():
 
     seen = run_ranks(rope_cache_job, 1)[0]
     assert seen == {k: True for k in seen} and len(seen) == 13, seen
+
+
+@pytest.mark.parametrize("shape", [(7, 2, 16), (5, 1, 3, 8)], ids=["hidden", "heads"])
+def test_cpu_rms_norm_is_torchs_forward_and_the_written_out_backward(shape):
+    """layers.RMSNorm under autograd on CPU: torch.rms_norm's forward to the bit (fp32 and
+    fp64); gradients against autograd through torch.rms_norm and against the formula
+    dx = rstd (g w - x^ mean(g w x^)), dw = sum over tokens of g x^ (fp64, 1e-12); without
+    autograd the module is torch's own."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_gspo.layers import RMSNorm
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        config = SimpleNamespace(params_dtype=dtype, sequence_parallel=False)
+        norm = RMSNorm(config, shape[-1], eps=1e-5)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.3 * torch.randn(shape[-1], dtype=dtype))
+        x = (3 * torch.randn(*shape, dtype=dtype)).requires_grad_()
+        g = torch.randn(*shape, dtype=dtype)
+        y = norm(x)
+        assert y.grad_fn.name().endswith("_RMSNormCPUBackward")
+        ref = torch.rms_norm(x, (shape[-1],), norm.weight, 1e-5)
+        assert torch.equal(y, ref)
+        dx, dw = torch.autograd.grad(y, (x, norm.weight), g)
+        rx, rw = torch.autograd.grad(ref, (x, norm.weight), g)
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        assert torch.allclose(dx, rx, atol=tol, rtol=0) and torch.allclose(dw, rw, atol=tol, rtol=0)
+        if dtype == torch.float64:
+            w = norm.weight.detach()
+            rstd = 1 / torch.sqrt((x.detach() ** 2).mean(-1, keepdim=True) + 1e-5)
+            xhat = x.detach() * rstd
+            formula_dx = rstd * (g * w - xhat * (g * w * xhat).mean(-1, keepdim=True))
+            formula_dw = (g * xhat).reshape(-1, shape[-1]).sum(0)
+            assert torch.allclose(dx, formula_dx, atol=1e-12, rtol=0)
+            assert torch.allclose(dw, formula_dw, atol=1e-12, rtol=0)
+        with torch.no_grad():
+            assert norm(x).grad_fn is None and torch.equal(norm(x), ref.detach())

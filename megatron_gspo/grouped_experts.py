@@ -100,14 +100,16 @@ class _ExpertsSwiGLU(torch.autograd.Function):
 def _weight_grad(weight, a, b):
     """The gradient ``a @ b`` of ``weight``; added straight into ``weight.main_grad`` by the
     matmul (``addmm_``) where Megatron's DDP gave it one of the weight's dtype, as its fused
-    linear layers do (``grad_added_to_main_grad``: its backward hook then adds nothing), so no
-    gradient tensor is written and then read again for the hook's addition: None returned."""
+    linear layers do, so no gradient tensor is written and then read again for the backward
+    hook's addition. As there, an unfilled placeholder goes back to autograd with
+    ``grad_added_to_main_grad`` set: DDP's hook still runs for the weight (with
+    ``overlap_grad_reduce`` it marks the weight's bucket ready) and adds nothing."""
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is None or main_grad.dtype != weight.dtype:
         return a @ b
     main_grad.addmm_(a, b)
     weight.grad_added_to_main_grad = True
-    return None
+    return torch.empty_like(weight)
 
 
 class GroupedSequentialMLP(SequentialMLP):

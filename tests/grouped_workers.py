@@ -13,10 +13,12 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
     ``glu_offset`` / ``clamp``: Megatron's GLU variants (``glu_linear_offset``,
     ``activation_func_clamp_value``). ``expert_width`` 256 makes each expert's fc1 weight
     (512 x 64, 256 x 64 per rank under expert TP 2) large enough for the CPU function.
-    ``ddp``: the model wrapped in Megatron's DistributedDataParallel, weight gradients read from
-    its ``main_grad`` buffers (the CPU function adds its weight gradients there itself), and a
-    second backward through GroupedSequentialMLP must double them ("accum": its largest
-    relative difference from twice the first)."""
+    ``ddp``: each layer's experts wrapped in Megatron's DistributedDataParallel (overlapping its
+    gradient reduction with the backward, so every parameter's hook must run), weight gradients
+    read from its ``main_grad`` buffers (the CPU function adds its weight gradients there itself), and
+    two micro-batches (the first under ``no_sync``) through GroupedSequentialMLP must double
+    them ("accum": its largest relative difference from twice one)."""
+    import contextlib
     import copy
 
     import torch
@@ -33,10 +35,6 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
     ctx = init_parallel(ParallelConfig(ep=ep, tp=tp, sequence_parallel=tp > 1), cfg,
                         seed=seed)  # expert TP = tp
     gpt = build_model(cfg, ctx, use_grouped_experts=False)
-    if ddp:
-        from megatron_gspo.optim import wrap_ddp
-
-        wrapped = wrap_ddp(gpt, ctx, use_distributed_optimizer=False)
     for module in gpt.modules():  # the experts hold copies of the model's config
         if getattr(module, "config", None) is not None:
             module.config.glu_linear_offset = glu_offset
@@ -50,6 +48,14 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
         seq = layer.mlp.experts
         grouped = copy.copy(seq)
         grouped.__class__ = GroupedSequentialMLP
+        if ddp:  # overlapping the gradient reduction with the backward: every hook must run
+            from megatron.core.distributed import (DistributedDataParallel,
+                                                   DistributedDataParallelConfig)
+
+            wrapped = DistributedDataParallel(
+                config=seq.config, module=seq, pg_collection=ctx.pg,
+                ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                         overlap_grad_reduce=True))
         n = seq.num_local_experts
         counts = torch.randint(0, 12, (n,), generator=g)
         counts[0] = 0  # an expert without tokens
@@ -68,11 +74,16 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
             (y * w_out).sum().backward()
             if ddp:
                 assert all(p.grad is None for p in module.parameters())
+                wrapped.finish_grad_sync()  # (raises unless every bucket was marked ready)
             results.append((y.detach(), xi.grad, [(p.main_grad if ddp else p.grad).clone()
                                                   for p in module.parameters()]))
-        if ddp:  # the same backward again: the buffers hold twice the gradients
-            y, _ = grouped(x.clone().requires_grad_(), counts, probs)
-            (y * w_out).sum().backward()
+        if ddp:  # two micro-batches of the same tokens: the buffers hold twice the gradients
+            wrapped.zero_grad_buffer()
+            for last in (False, True):
+                with contextlib.nullcontext() if last else wrapped.no_sync():
+                    y, _ = grouped(x.clone().requires_grad_(), counts, probs)
+                    (y * w_out).sum().backward()
+            wrapped.finish_grad_sync()
             twice = [p.main_grad for p in grouped.parameters()]
             diffs["accum"].append(torch.stack([(t - 2 * a).abs().max() for t, a in
                                                zip(twice, results[1][2])]).max()

@@ -363,7 +363,6 @@ def old_logprobs(run: Run, batch):
     job = run.job
     per_k = _layouts(run, batch)
     layouts = [layout for per in per_k for layout in per]
-    mbs = _micro_batches(run, batch, layouts)
     temp = job.rollout.temperature
     routes = None
     if (job.algo.old_logprobs == "engine" and job.replay.mode == "none"
@@ -374,13 +373,12 @@ def old_logprobs(run: Run, batch):
         r3 = _targets(run, batch, layouts) if job.replay.mode == "r3" else None
         # Recorded routes serve R2 and the drift probe's first forward, which never skip.
         record = run.replay is not None and r3 is None and not skip
-        logp, passed = [], layouts[skip:]
-        if passed and not record and r3 is None and _regroups(run):
-            passed = forward_only_layouts(passed, job.trainer.max_tokens_per_micro_batch)
-            mbs = [None] * skip + _micro_batches(run, batch, passed)
+        # Routes recorded or replayed follow the updates' micro-batches; log-probs alone need not.
+        passed = layouts[skip:] if record or r3 is not None else _forward_only(run, layouts[skip:])
+        logp = []
         if passed:
-            logp, routes = logprob_pass(run.ddp, mbs[skip:], run.ctx, temperature=temp,
-                                        replay=run.replay, record=record,
+            logp, routes = logprob_pass(run.ddp, _micro_batches(run, batch, passed), run.ctx,
+                                        temperature=temp, replay=run.replay, record=record,
                                         targets=r3[skip:] if r3 is not None else None)
         logp = _unpack(batch, passed, logp)
         for layout in layouts[:skip]:  # until the first update fills them: loud if read
@@ -391,18 +389,20 @@ def old_logprobs(run: Run, batch):
         batch.recomputed_logp_BS = logp
         batch.first_minibatch_pending = bool(skip)
     if run.ref_model is not None:
-        if _regroups(run):
-            layouts = forward_only_layouts(layouts, job.trainer.max_tokens_per_micro_batch)
-            mbs = _micro_batches(run, batch, layouts)
-        ref, _ = logprob_pass(run.ref_model, mbs, run.ctx, temperature=temp)
+        layouts = _forward_only(run, layouts)
+        ref, _ = logprob_pass(run.ref_model, _micro_batches(run, batch, layouts), run.ctx,
+                              temperature=temp)
         batch.ref_logp_BS = _unpack(batch, layouts, ref)
     return routes
 
 
-def _regroups(run: Run) -> bool:
-    """Whether forward-only passes may regroup the packed micro-batches
-    (``rl_batch.forward_only_layouts``): no expert parallelism, no pipeline stages."""
-    return run.ctx.ep == 1 and run.ctx.pp == 1
+def _forward_only(run: Run, layouts: list) -> list:
+    """The micro-batches of a forward-only pass that yields log-probs alone: the packed ones
+    regrouped under the token budget (``rl_batch.forward_only_layouts``) without expert
+    parallelism or pipeline stages; otherwise as the updates take them."""
+    if run.ctx.ep > 1 or run.ctx.pp > 1:
+        return layouts
+    return forward_only_layouts(layouts, run.job.trainer.max_tokens_per_micro_batch)
 
 
 def correct_for_the_engine(run: Run, batch) -> dict:

@@ -326,16 +326,17 @@ def packed_layouts(plan: StepPlan, dp_rank: int, lengths: Sequence[Sequence[int]
     return out
 
 
-def forward_only_layouts(layouts: Sequence[Layout], budget: int) -> list[Layout]:
+def forward_only_layouts(layouts: Sequence[Layout], budget: int, *, ep: int = 1, pp: int = 1
+                         ) -> list[Layout]:
     """Packed micro-batches regrouped for a forward-only pass (log-probs; no routes recorded or
     replayed, which follow the updates' micro-batches): consecutive ones concatenated while the
     row stays within ``budget`` tokens, so the pass runs fewer, longer forwards (the updates'
     micro-batches are cut per mini-batch: four mini-batches of a 16 x 8 batch at 1-2k tokens
     each are four forwards, and on a small model each forward's cost is mostly per-operator, not
-    per-token). Each rank regroups its own: only for passes without expert parallelism (whose
-    dispatch pairs micro-batches across ranks) or pipeline stages (one shape per pass); padded
-    layouts stay as they are."""
-    if not layouts or not all(layout.packed for layout in layouts):
+    per-token). Each rank regroups its own: only without expert parallelism (``ep``: its
+    dispatch pairs micro-batches across ranks) or pipeline stages (``pp``: one shape per pass);
+    otherwise, and for padded layouts, they stay as they are."""
+    if ep > 1 or pp > 1 or not layouts or not all(layout.packed for layout in layouts):
         return list(layouts)
     groups = [[layouts[0]]]
     for layout in layouts[1:]:

@@ -397,12 +397,8 @@ def old_logprobs(run: Run, batch):
 
 
 def _forward_only(run: Run, layouts: list) -> list:
-    """The micro-batches of a forward-only pass that yields log-probs alone: the packed ones
-    regrouped under the token budget (``rl_batch.forward_only_layouts``) without expert
-    parallelism or pipeline stages; otherwise as the updates take them."""
-    if run.ctx.ep > 1 or run.ctx.pp > 1:
-        return layouts
-    return forward_only_layouts(layouts, run.job.trainer.max_tokens_per_micro_batch)
+    return forward_only_layouts(layouts, run.job.trainer.max_tokens_per_micro_batch,
+                                ep=run.ctx.ep, pp=run.ctx.pp)
 
 
 def correct_for_the_engine(run: Run, batch) -> dict:

@@ -195,6 +195,8 @@ def test_layouts_concatenated_for_a_forward_only_pass():
     assert [x.rows for x in forward_only_layouts([a, b, c], budget=4)] == [(0, 1), (3,), (2, 4)]
     padded = [Layout((0, 1)), Layout((2, 3))]
     assert forward_only_layouts(padded, budget=100) == padded
+    for split in ({"ep": 2}, {"pp": 2}):  # kept as the updates take them
+        assert forward_only_layouts([a, b, c], budget=28, **split) == [a, b, c]
 
 
 def test_a_shared_prompt_layout_feeds_the_prefix_once_and_covers_every_target():

@@ -338,12 +338,14 @@ def forward_only_layouts(layouts: Sequence[Layout], budget: int, *, ep: int = 1,
     otherwise, and for padded layouts, they stay as they are."""
     if ep > 1 or pp > 1 or not layouts or not all(layout.packed for layout in layouts):
         return list(layouts)
-    groups = [[layouts[0]]]
+    groups, tokens = [[layouts[0]]], layouts[0].num_tokens  # tokens: the last group's
     for layout in layouts[1:]:
-        if sum(g.num_tokens for g in groups[-1]) + layout.num_tokens <= budget:
+        if tokens + layout.num_tokens <= budget:
             groups[-1].append(layout)
+            tokens += layout.num_tokens
         else:
             groups.append([layout])
+            tokens = layout.num_tokens
     return [Layout.concat(group) for group in groups]
 
 

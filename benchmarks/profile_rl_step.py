@@ -241,15 +241,13 @@ def main() -> None:
             if e.sequence_nr >= 0 and not e.name.startswith("autograd::engine"):
                 seq_kind.setdefault(e.sequence_nr, nearest_range(e) or "other ops")
         for e in events:
+            if e.name.startswith("autograd::engine"):
+                continue  # (its operators are counted under it)
             node = e.cpu_parent
             while node is not None and not node.name.startswith("autograd::engine"):
                 node = node.cpu_parent
-            if node is not None or e.name.startswith("autograd::engine"):
-                node = node or e
-                kind = seq_kind.get(node.sequence_nr, "other ops")
-                if e.name.startswith("autograd::engine"):
-                    continue
-                name = f"{e.name} (backward)"
+            if node is not None:  # run by the autograd engine: the backward of that node
+                kind, name = seq_kind.get(node.sequence_nr, "other ops"), f"{e.name} (backward)"
             else:
                 kind, name = nearest_range(e) or "other ops", e.name
             phase_ok = args.detail_phase is None or nearest_range(e, "phase:") == args.detail_phase

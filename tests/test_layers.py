@@ -134,7 +134,6 @@ def test_short_causal_attention_is_the_written_out_formula(heads, groups, scale)
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
 
 
-
 @pytest.mark.parametrize("heads,groups,masked", [(8, 4, True), (4, 4, False), (6, 1, True)])
 def test_decode_attention_is_the_written_out_formula(heads, groups, masked):
     """One query per row: softmax(q K^T / sqrt(d) with -inf at masked keys) V per query head,
@@ -159,6 +158,7 @@ def test_decode_attention_is_the_written_out_formula(heads, groups, masked):
                 scores = scores.masked_fill(hidden[i], float("-inf"))
             out[i, h] = torch.softmax(scores, -1) @ v[i, kv]
     torch.testing.assert_close(decode_attention(q, k, v, mask), out, rtol=1e-12, atol=1e-12)
+
 
 def test_cached_rope_equals_megatrons():
     """RoPE with cos / sin kept per table gives megatron-core's values and gradients bitwise."""

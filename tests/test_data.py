@@ -2,6 +2,7 @@
 tokenizers, synthetic tasks."""
 
 import json
+import random
 
 import pytest
 
@@ -79,6 +80,21 @@ def test_shuffling_is_deterministic_per_epoch_and_resumable(tmp_path):
     assert rest[2:] != [r.prompt for r in PromptDataset([path], seed=3).next_batch(8)]
     with pytest.raises(PromptDataError, match="saved for 10 records with seed 3"):
         PromptDataset([path], seed=4).load_state_dict(state)
+
+
+def test_epoch_order_is_the_seeded_shuffle(tmp_path):
+    """Each epoch's order is random.Random(seed * 1_000_003 + epoch).shuffle of the record
+    indices (what a saved data position refers to), however the epoch's batches are cut."""
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": str(i)} for i in range(10)])
+    expected = []
+    for epoch in range(3):
+        order = list(range(10))
+        random.Random(3 * 1_000_003 + epoch).shuffle(order)
+        expected += [str(i) for i in order]
+    data = PromptDataset([path], seed=3)
+    got = [r.prompt for size in (3, 1, 7, 10, 5, 4) for r in data.next_batch(size)]
+    assert got == expected
+    assert (data.epoch, data.position) == (3, 0)
 
 
 def test_char_tokenizer_round_trip_and_prompt_rendering():

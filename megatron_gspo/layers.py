@@ -152,8 +152,7 @@ def _plan_of(packed_seq_params, device) -> list:
     return cache["bucket_plan"]
 
 
-def packed_causal_attention(q_TND, k_TGD, v_TGD, plan, *, scale=None, dropout_p=0.0,
-                            short_keys=None):
+def packed_causal_attention(q_TND, k_TGD, v_TGD, plan, *, scale=None, dropout_p=0.0):
     """[T, N, D] causal attention within each sequence of a packed row (``plan``: the row's
     ``bucket_plan``).
 
@@ -163,53 +162,26 @@ def packed_causal_attention(q_TND, k_TGD, v_TGD, plan, *, scale=None, dropout_p=
     are the queries of a shared prefix ahead of a sequence, whose keys it attends to). The
     work is about that of the sequences' own lengths (sum of L^2), not the packed row's (T^2)
     that a block-diagonal mask over the whole row would cost, in a few calls instead of one per
-    sequence. On CPU, buckets of at most ``short_keys`` keys (default ``SHORT_KEYS``) go through
-    ``short_causal_attention`` instead (fp32 / fp64, without dropout)."""
+    sequence. (On CPU, SDPA's kernel also beats the short buckets written out as two batched
+    matmuls and a softmax: 1.1-1.5x forward + backward, 1.2-1.7x forward only, on compute- and
+    tiny-shape micro-batches, ``benchmarks/step_parts.py``.)"""
     out = torch.empty_like(q_TND)
     n, g = q_TND.shape[1], k_TGD.shape[1]
-    short_keys = SHORT_KEYS if short_keys is None else short_keys
     for bucket in plan:  # (gathers and writes by index_select / index_copy: their backwards are
         b, m = bucket.index.shape  # index_add / index_select, far cheaper than advanced indexing's)
-        q, k, v = (t.index_select(0, bucket.keys).view(b, m, *t.shape[1:])
-                   for t in (q_TND, k_TGD, v_TGD))  # [b, M, N, D]
-        if (q.device.type == "cpu" and q.dtype in FULL_PRECISION and dropout_p == 0.0
-                and m <= short_keys):
-            o = short_causal_attention(q, k, v, scale)
-        else:
-            o = F.scaled_dot_product_attention(
-                *(t.permute(0, 2, 1, 3) for t in (q, k, v)), dropout_p=dropout_p,
-                is_causal=True, scale=scale, enable_gqa=(n != g)).permute(0, 2, 1, 3)
-        o = o.reshape(b * m, *q_TND.shape[1:])
+        q, k, v = (t.index_select(0, bucket.keys).view(b, m, *t.shape[1:]).permute(0, 2, 1, 3)
+                   for t in (q_TND, k_TGD, v_TGD))  # [b, N, M, D]
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                           scale=scale, enable_gqa=(n != g))
+        o = o.permute(0, 2, 1, 3).reshape(b * m, *q_TND.shape[1:])
         out.index_copy_(0, bucket.rows, o.index_select(0, bucket.outputs))
     return out
 
 
-# Keys per sequence up to which ``short_causal_attention`` replaces SDPA on CPU (benchmarks/
-# step_parts.py: fewer keys, larger gain; about even at 128), for the dtypes whose softmax it
-# computes in their own precision (SDPA's CPU kernel accumulates bf16 / fp16 in fp32).
-SHORT_KEYS = 128
+# The float types that the CPU paths written out here (RMSNorm's backward, decoding's attention)
+# compute in their own precision; bf16 / fp16 stay on torch's kernels (SDPA's CPU kernel
+# accumulates them in fp32).
 FULL_PRECISION = (torch.float32, torch.float64)
-
-
-def short_causal_attention(q_BMND, k_BMGD, v_BMGD, scale=None):
-    """Causal attention of ``b`` sequences of ``M`` tokens as two batched matmuls and a softmax,
-    ``[b, M, N, D]`` out: SDPA's CPU kernel loses to plain matmuls on the short sequences of RL
-    micro-batches (1.2-1.4x forward + backward on a compute-shape micro-batch of 6-33 keys per
-    sequence, ``benchmarks/step_parts.py``). The ``r = N / G`` query heads of a KV group are
-    stacked along the query positions (``[b, G, r * M, D]``), so K and V are used once per group;
-    the causal rule is an additive 0 / -inf bias, tiled ``r`` times and added by the first
-    matmul together with the scale. Memory: the ``[b, N, M, M]`` probabilities are kept for the
-    backward (SDPA keeps a log-sum-exp per query), hence the bound on ``M``."""
-    b, m, n, d = q_BMND.shape
-    g = k_BMGD.shape[2]
-    r = n // g
-    scale = d ** -0.5 if scale is None else scale
-    q = q_BMND.view(b, m, g, r, d).permute(0, 2, 3, 1, 4).reshape(b * g, r * m, d)
-    k = k_BMGD.permute(0, 2, 3, 1).reshape(b * g, d, m)
-    v = v_BMGD.permute(0, 2, 1, 3).reshape(b * g, m, d)
-    bias = torch.full((m, m), float("-inf"), dtype=q.dtype, device=q.device).triu(1).repeat(r, 1)
-    p = torch.softmax(torch.baddbmm(bias, q, k, alpha=scale), dim=-1)
-    return torch.bmm(p, v).view(b, g, r, m, d).permute(0, 3, 1, 2, 4).reshape(b, m, n, d)
 
 
 def decode_attention(q_BNTD, k_BGSD, v_BGSD, masked_B1TS=None, scale=None):

@@ -43,11 +43,9 @@ def test_bucket_plan_of_shared_prefixes_written_out():
     assert bucket.index.dtype == bucket.outputs.dtype == torch.long
 
 
-@pytest.mark.parametrize("short_keys", [0, None], ids=["sdpa-kernel", "short-matmuls"])
-def test_packed_causal_attention_equals_each_sequence_alone_with_gradients(short_keys):
+def test_packed_causal_attention_equals_each_sequence_alone_with_gradients():
     """Buckets of right-padded sequences: outputs and the gradients of q, k, v equal causal SDPA
-    on each sequence alone (GQA; lengths over several buckets, one of them a single token), with
-    the buckets through SDPA's kernel and through ``short_causal_attention``."""
+    on each sequence alone (GQA; lengths over several buckets, one of them a single token)."""
     import torch
     import torch.nn.functional as F
 
@@ -75,63 +73,10 @@ def test_packed_causal_attention_equals_each_sequence_alone_with_gradients(short
         return torch.cat(parts)
 
     ours = grads(lambda q, k, v: packed_causal_attention(
-        q, k, v, bucket_plan(cu.tolist(), "cpu"), short_keys=short_keys))
+        q, k, v, bucket_plan(cu.tolist(), "cpu")))
     reference = grads(alone)
     for a, b in zip(ours, reference):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # fp32 rounding, not masking
-
-
-def test_packed_attention_keeps_sdpa_for_half_precision():
-    """bf16 buckets stay on SDPA's kernel (which accumulates in fp32): the same bits as with the
-    short-bucket path switched off; fp32 ones take the matmuls (not the same bits)."""
-    import torch
-
-    from megatron_gspo.layers import bucket_plan, packed_causal_attention
-
-    g = torch.Generator().manual_seed(2)
-    plan = bucket_plan([0, 5, 12, 20], "cpu")
-    q, k, v = (torch.randn(20, n, 8, generator=g) for n in (4, 2, 2))
-    half = [t.bfloat16() for t in (q, k, v)]
-    assert torch.equal(packed_causal_attention(*half, plan),
-                       packed_causal_attention(*half, plan, short_keys=0))
-    assert not torch.equal(packed_causal_attention(q, k, v, plan),
-                           packed_causal_attention(q, k, v, plan, short_keys=0))
-
-
-@pytest.mark.parametrize("heads,groups,scale", [(8, 4, None), (4, 4, 0.3), (6, 1, None)])
-def test_short_causal_attention_is_the_written_out_formula(heads, groups, scale):
-    """softmax(Q K^T * scale + causal -inf) V per query head, K and V of its group (head h uses
-    group h // (heads / groups)), float64, forward and the gradients of q, k, v."""
-    import torch
-
-    from megatron_gspo.layers import short_causal_attention
-
-    g = torch.Generator().manual_seed(1)
-    b, m, d = 3, 7, 5
-    q0 = torch.randn(b, m, heads, d, generator=g, dtype=torch.float64)
-    k0, v0 = (torch.randn(b, m, groups, d, generator=g, dtype=torch.float64) for _ in range(2))
-    weight = torch.randn(b, m, heads, d, generator=g, dtype=torch.float64)
-
-    def formula(q, k, v):
-        out = torch.empty(b, m, heads, d, dtype=torch.float64)
-        s = d ** -0.5 if scale is None else scale
-        for i in range(b):
-            for h in range(heads):
-                kv = h // (heads // groups)
-                scores = q[i, :, h] @ k[i, :, kv].T * s
-                scores = scores.masked_fill(torch.ones(m, m).triu(1).bool(), float("-inf"))
-                out[i, :, h] = torch.softmax(scores, -1) @ v[i, :, kv]
-        return out
-
-    def grads(fn):
-        q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
-        out = fn(q, k, v)
-        (out * weight).sum().backward()
-        return out.detach(), q.grad, k.grad, v.grad
-
-    ours = grads(lambda q, k, v: short_causal_attention(q, k, v, scale))
-    for a, e in zip(ours, grads(formula)):
-        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("heads,groups,masked", [(8, 4, True), (4, 4, False), (6, 1, True)])

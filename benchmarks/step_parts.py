@@ -160,7 +160,7 @@ def _matmul_buckets(torch, q_TND, k_TGD, v_TGD, plan):
     return out
 
 
-def bucket_kernel(torch, F, repeats, heads, groups, backward):
+def bucket_kernel(torch, repeats, heads, groups, backward):
     """Packed attention's buckets as two batched matmuls and a softmax (as they were) vs SDPA's
     kernel (``layers.packed_causal_attention``), on ``_shared_prompt_batch`` with ``heads`` /
     ``groups`` of 32."""
@@ -181,8 +181,8 @@ def bucket_kernel(torch, F, repeats, heads, groups, backward):
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-4)
                    for a, b in zip(before(), after()))
         times = timed(before, after, repeats)
-    return (f"packed attention's buckets, matmuls vs SDPA, {heads} / {groups} heads, "
-            f"{bounds[-1]} tokens, {'fwd+bwd' if backward else 'fwd'}", *times)
+    return (f"packed attention's buckets as matmuls vs SDPA ({heads}/{groups} heads), "
+            f"{'fwd+bwd' if backward else 'fwd'}", *times)
 
 
 def plan(torch, repeats):
@@ -301,7 +301,10 @@ def adam(torch, repeats, numel, tensors):
         group["foreach"], group["fused"] = False, True
     opt_a.step()
     opt_b.step()
-    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(ps_a, ps_b))
+    # Within 1e-3 of the step size (lr): torch's single-tensor AdamW on CPU, as a process's first
+    # optimizer step, now and then gives a few elements' updates ~2^-12 off (2.4e-7 here; seen
+    # in 3 of 8 fresh processes, the fused kernel never), which a 1e-7 tolerance tripped over.
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ps_a, ps_b))
     return (f"Adam step, {numel / 1e6:.0f}M parameters in {tensors} tensors",
             *timed(opt_a.step, opt_b.step, repeats))
 
@@ -445,7 +448,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     rows = [packed_attention(torch, F, args.repeats), attention_gathers(torch, F, args.repeats),
-            *(bucket_kernel(torch, F, args.repeats, heads, groups, backward)
+            *(bucket_kernel(torch, args.repeats, heads, groups, backward)
               for heads, groups in ((8, 4), (4, 2)) for backward in (True, False)),
             plan(torch, args.repeats),
             batch_building(torch, args.repeats),

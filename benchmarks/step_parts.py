@@ -301,9 +301,10 @@ def adam(torch, repeats, numel, tensors):
         group["foreach"], group["fused"] = False, True
     opt_a.step()
     opt_b.step()
-    # Within 1e-3 of the step size (lr): torch's single-tensor AdamW on CPU, as a process's first
-    # optimizer step, now and then gives a few elements' updates ~2^-12 off (2.4e-7 here; seen
-    # in 3 of 8 fresh processes, the fused kernel never), which a 1e-7 tolerance tripped over.
+    # Within 1e-3 of the step size (lr): in torch's single-tensor AdamW on CPU, the process's
+    # first fp32 ``torch.sqrt`` over a large tensor (its ``exp_avg_sq.sqrt()``) now and then
+    # comes out ~2^-12 off on some elements (3 of 8 fresh processes; later calls, rsqrt and the
+    # fused kernel never): updates 2.4e-7 off, which a 1e-7 tolerance tripped over.
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ps_a, ps_b))
     return (f"Adam step, {numel / 1e6:.0f}M parameters in {tensors} tensors",
             *timed(opt_a.step, opt_b.step, repeats))

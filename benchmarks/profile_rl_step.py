@@ -130,6 +130,16 @@ def nearest_range(e, prefix="module:"):
     return p.name[len(prefix):] if p is not None else None
 
 
+def forward_kinds(events) -> dict:
+    """Autograd sequence number -> the module kind its forward operator ran under, by which
+    the backward operators of that node are attributed."""
+    kinds = {}
+    for e in events:
+        if e.sequence_nr >= 0 and not e.name.startswith("autograd::engine"):
+            kinds.setdefault(e.sequence_nr, nearest_range(e) or "other ops")
+    return kinds
+
+
 def attribute(events) -> tuple[dict, dict, dict]:
     """(kind -> phase -> seconds of operators, phase -> seconds of its ranges, phase -> seconds
     of operators): forward operators by their nearest module range, autograd nodes by the range
@@ -137,10 +147,7 @@ def attribute(events) -> tuple[dict, dict, dict]:
     def is_range(e):
         return e.name.startswith(("module:", "phase:"))
 
-    seq_kind = {}
-    for e in events:
-        if e.sequence_nr >= 0 and not e.name.startswith("autograd::engine"):
-            seq_kind.setdefault(e.sequence_nr, nearest_range(e, "module:") or "other ops")
+    seq_kind = forward_kinds(events)
     ops = collections.defaultdict(lambda: collections.defaultdict(float))
     phase_wall, phase_ops = collections.defaultdict(float), collections.defaultdict(float)
     for e in events:
@@ -236,10 +243,7 @@ def main() -> None:
               f"as 'name (backward)', by the module their autograd node's forward ran under):")
         by_name = collections.defaultdict(lambda: [0.0, 0])
         events = prof.events()
-        seq_kind = {}
-        for e in events:
-            if e.sequence_nr >= 0 and not e.name.startswith("autograd::engine"):
-                seq_kind.setdefault(e.sequence_nr, nearest_range(e) or "other ops")
+        seq_kind = forward_kinds(events)
         for e in events:
             if e.name.startswith("autograd::engine"):
                 continue  # (its operators are counted under it)

@@ -44,7 +44,7 @@ from rl_step_vs_trl import SHAPE_FIELDS, SHAPES, VOCAB, active_params, matmul_gf
 PATHS = ("ours", "ours compiled", "hf", "hf compiled")
 
 
-def mean_logp(torch, logits_BSV, targets_BS):
+def mean_logp(logits_BSV, targets_BS):
     """Mean log-prob of the targets (fp32): the loss every path runs."""
     logp = logits_BSV.float().log_softmax(-1)
     return logp.gather(-1, targets_BS.unsqueeze(-1)).mean()
@@ -103,7 +103,7 @@ def main() -> None:
 
     def ours():
         run.ddp.zero_grad_buffer()
-        loss = mean_logp(torch, run.ddp(ids, positions, attention_mask=None), targets)
+        loss = mean_logp(run.ddp(ids, positions, attention_mask=None), targets)
         loss.backward()
         return loss.item()
 
@@ -114,7 +114,7 @@ def main() -> None:
 
     def hf_step():
         hf_model[0].zero_grad(set_to_none=True)
-        loss = mean_logp(torch, hf_model[0](input_ids=ids).logits, targets)
+        loss = mean_logp(hf_model[0](input_ids=ids).logits, targets)
         loss.backward()
         return loss.item()
 
@@ -138,7 +138,8 @@ def main() -> None:
           f"{'x ours':>7s}  loss")
     base = None
     reference = None
-    for name in args.paths:  # in this order: compiling ours changes ours' modules for good
+    # in PATHS' order, whatever --paths says: compiling ours changes ours' modules for good
+    for name in (n for n in PATHS if n in args.paths):
         prepare, fn = steps[name]
         if prepare is not None:
             prepare()

@@ -163,8 +163,8 @@ def packed_causal_attention(q_TND, k_TGD, v_TGD, plan, *, scale=None, dropout_p=
     work is about that of the sequences' own lengths (sum of L^2), not the packed row's (T^2)
     that a block-diagonal mask over the whole row would cost, in a few calls instead of one per
     sequence. (On CPU, SDPA's kernel also beats the short buckets written out as two batched
-    matmuls and a softmax: 1.1-1.5x forward + backward, 1.2-1.7x forward only, on compute- and
-    tiny-shape micro-batches, ``benchmarks/step_parts.py``.)"""
+    matmuls and a softmax: 1.3x forward + backward, 1.3-1.5x forward only, on compute- and
+    tiny-shape micro-batches, ``benchmarks/step_parts.py``; README, Benchmarks.)"""
     out = torch.empty_like(q_TND)
     n, g = q_TND.shape[1], k_TGD.shape[1]
     for bucket in plan:  # (gathers and writes by index_select / index_copy: their backwards are

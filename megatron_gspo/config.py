@@ -205,7 +205,11 @@ class AlgoConfig:
     # the replayed routes override. Response tokens only (never prompt or padding) when on.
     aux_loss_coeff: float = 0.0  # load-balancing loss (Switch-style, per micro-batch)
     z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
-    old_logprobs: str = "recompute"  # recompute (trainer's pass on the old policy) | engine
+    # Behaviour (old-policy) log-probs: recompute (the trainer's forward-only pass on the old
+    # policy) | engine (the rollout engine's, no pass) | auto (engine where the engine is the
+    # trainer's own fp32 model on CPU, so that its log-probs are the old policy's to float
+    # rounding; recompute elsewhere: SGLang, GPU, bf16, R2, R3, rollout correction).
+    old_logprobs: str = "auto"
     # Rollout correction for the engine/trainer mismatch (megatron_gspo.correction): none |
     # token_tis | seq_tis (weights min(ratio, cap)) | seq_mis (sequences outside [low, high]
     # dropped); gspo takes the sequence modes only.
@@ -238,8 +242,9 @@ class AlgoConfig:
         if self.minibatch_split not in ("interleaved", "groups"):
             raise _err("algo.minibatch_split", self.minibatch_split, "is unknown",
                        "use interleaved or groups")
-        if self.old_logprobs not in ("recompute", "engine"):
-            raise _err("algo.old_logprobs", self.old_logprobs, "is unknown", "use recompute or engine")
+        if self.old_logprobs not in ("auto", "recompute", "engine"):
+            raise _err("algo.old_logprobs", self.old_logprobs, "is unknown",
+                       "use auto, recompute or engine")
         for key in ("aux_loss_coeff", "z_loss_coeff"):
             if getattr(self, key) < 0:
                 raise _err(f"algo.{key}", getattr(self, key), "must be >= 0", "use 0 to disable")
@@ -589,6 +594,23 @@ class JobConfig:
                 raise _err(f"model.{f.name}", getattr(self.model, f.name),
                            f"trainer.init_from={path} holds {getattr(saved, f.name)!r}",
                            f"set model.{f.name}={getattr(saved, f.name)!r}")
+
+    def behaviour_source(self, device_type: str) -> str:
+        """Where the behaviour log-probs come from (``algo.old_logprobs``): "engine" or
+        "recompute". ``auto`` takes the engine's where the engine is the trainer's own model in
+        fp32 on CPU (the local engine shares its parameters and computes the same log-probs to
+        float rounding: a pass would recompute them), the trainer's pass elsewhere: a separate
+        engine (SGLang), GPU kernels or bf16 (decoding and the full forward round differently,
+        at times by more than GSPO's clip range), R2 and R3 (which record or replay routes in
+        the pass), rollout correction (which weighs the engine's log-probs against the
+        pass's)."""
+        a = self.algo
+        if a.old_logprobs != "auto":
+            return a.old_logprobs
+        same_model = (self.rollout.engine == "local" and device_type == "cpu"
+                      and self.model.params_dtype == "float32")
+        return ("engine" if same_model and self.replay.mode == "none"
+                and a.rollout_correction == "none" else "recompute")
 
     def check_layout(self, dp: int) -> None:
         """Combinations that depend on the data-parallel size."""

@@ -48,7 +48,9 @@ class RolloutBatch:
     old_logp_BS: Optional[torch.Tensor] = None
     first_minibatch_pending: bool = False
     ref_logp_BS: Optional[torch.Tensor] = None  # reference policy (KL term)
-    recomputed_logp_BS: Optional[torch.Tensor] = None  # the trainer's pass on the old policy
+    # The trainer's log-probs on the old policy (its pass; NaN where it has none: the rows the
+    # pass skips until their update's forward fills them in, every row with engine log-probs).
+    recomputed_logp_BS: Optional[torch.Tensor] = None
     informative_B: Optional[torch.Tensor] = None  # 1.0 where the row's group rewards differ
     # Micro-batches of each mini-batch (None: padded rows, ``padded_layouts``).
     layouts: Optional[list] = None
@@ -66,6 +68,15 @@ class RolloutBatch:
 
     def num_response_tokens(self) -> int:
         return int(self.mask_BS.sum())
+
+    def logprob_mismatch(self) -> tuple:
+        """(sum of |engine - trainer| log-prob, tokens compared) over the response tokens whose
+        trainer log-prob is known (``recomputed_logp_BS`` finite); (0, 0) without any."""
+        if self.recomputed_logp_BS is None:
+            return 0.0, 0.0
+        compared = (self.mask_BS > 0) & torch.isfinite(self.recomputed_logp_BS)
+        diff = torch.where(compared, self.engine_logp_BS - self.recomputed_logp_BS, 0.0)
+        return float(diff.abs().sum()), float(compared.sum())
 
 
 def width_multiple(ctx) -> int:

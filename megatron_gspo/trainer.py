@@ -341,13 +341,10 @@ def _unpack(batch, layouts, values: list) -> torch.Tensor:
 
 def reuses_first_minibatch(run: Run, batch) -> bool:
     """Whether the first mini-batch's behaviour log-probs come from its own update's forward
-    (exactly the old policy's: no update has happened yet) instead of the old-policy pass. Not
-    when something reads the pass on those rows before the updates: R2 (replays its routes),
-    the drift probe when it takes the pass's first forward, rollout correction; nor with
-    engine log-probs (no pass at all)."""
-    a = run.job.algo
-    return (a.old_logprobs == "recompute" and run.job.replay.mode != "r2"
-            and a.rollout_correction == "none" and not _probe_reads_pass(run, batch))
+    (exactly the old policy's) instead of the pass or the engine. Not when something reads
+    them before the updates: R2, rollout correction, the drift probe reading the pass."""
+    return (run.job.replay.mode != "r2" and run.job.algo.rollout_correction == "none"
+            and not _probe_reads_pass(run, batch))
 
 
 def _probe_reads_pass(run: Run, batch) -> bool:
@@ -357,19 +354,22 @@ def _probe_reads_pass(run: Run, batch) -> bool:
 def old_logprobs(run: Run, batch):
     """Behaviour log-probs of the whole batch on the current (old) policy, and the routes of
     each micro-batch's forward (recorded; or under R3, the engine's, replayed), in the order
-    the updates consume them. When ``reuses_first_minibatch``, the pass skips the first
-    mini-batch, whose rows hold NaN until the first update fills them in
-    (``batch.first_minibatch_pending``)."""
+    the updates consume them: the engine's (``JobConfig.behaviour_source``) or the trainer's
+    pass. When ``reuses_first_minibatch``, the first mini-batch's rows hold NaN until the first
+    update fills them in from its own forward (``batch.first_minibatch_pending``), and the pass
+    skips them."""
     job = run.job
     per_k = _layouts(run, batch)
     layouts = [layout for per in per_k for layout in per]
     temp = job.rollout.temperature
     routes = None
-    if (job.algo.old_logprobs == "engine" and job.replay.mode == "none"
+    skip = len(per_k[0]) if reuses_first_minibatch(run, batch) else 0
+    if (job.behaviour_source(run.ctx.device.type) == "engine" and job.replay.mode == "none"
             and not _probe_reads_pass(run, batch)):
         batch.old_logp_BS = batch.engine_logp_BS.clone()
+        # the trainer's: only where the first update's forward gives them
+        batch.recomputed_logp_BS = torch.full_like(batch.old_logp_BS, float("nan"))
     else:
-        skip = len(per_k[0]) if reuses_first_minibatch(run, batch) else 0
         r3 = _targets(run, batch, layouts) if job.replay.mode == "r3" else None
         # Recorded routes serve R2 and the drift probe's first forward, which never skip.
         record = run.replay is not None and r3 is None and not skip
@@ -381,13 +381,14 @@ def old_logprobs(run: Run, batch):
                                         temperature=temp, replay=run.replay, record=record,
                                         targets=r3[skip:] if r3 is not None else None)
         logp = _unpack(batch, passed, logp)
-        for layout in layouts[:skip]:  # until the first update fills them: loud if read
-            layout.scatter(logp, torch.full_like(layout.gather(logp), float("nan")))
         routes = r3 if r3 is not None else routes
         batch.old_logp_BS = (batch.engine_logp_BS.clone() if job.algo.old_logprobs == "engine"
                              else logp)
         batch.recomputed_logp_BS = logp
-        batch.first_minibatch_pending = bool(skip)
+    for layout in layouts[:skip]:  # until the first update fills them: loud if read
+        for values in {id(t): t for t in (batch.old_logp_BS, batch.recomputed_logp_BS)}.values():
+            layout.scatter(values, torch.full_like(layout.gather(values), float("nan")))
+    batch.first_minibatch_pending = bool(skip)
     if run.ref_model is not None:
         layouts = _forward_only(run, layouts)
         ref, _ = logprob_pass(run.ref_model, _micro_batches(run, batch, layouts), run.ctx,
@@ -443,7 +444,9 @@ def update(run: Run, batch, routes):
             inject_nan=run.updates in job.trainer.nan_at_updates, on_policy=on_policy)
         if on_policy:  # the behaviour log-probs of the first mini-batch, from its own forward
             for layout, values in zip(layouts, result.extra.pop("old_logp")):
-                layout.scatter(batch.old_logp_BS, values)  # (recomputed_logp_BS: the same tensor)
+                layout.scatter(batch.old_logp_BS, values)
+                if batch.recomputed_logp_BS is not batch.old_logp_BS:
+                    layout.scatter(batch.recomputed_logp_BS, values)
             batch.first_minibatch_pending = False
         if result.applied:
             run.scheduler.step(1)
@@ -502,15 +505,13 @@ def step_metrics(run: Run, step, batch, samples, results, drift, timers, seconds
     # Rollout statistics over every data-parallel rank (context-parallel ranks hold the same).
     rewards = batch.rewards_B.double()
     mask = batch.mask_BS
-    recomputed = batch.recomputed_logp_BS
-    mismatch_sum = 0.0 if recomputed is None else float(
-        ((batch.engine_logp_BS - recomputed).abs() * mask).sum())
+    mismatch_sum, compared = batch.logprob_mismatch()
     informative = batch.informative_B.double()
-    (reward_sum, reward_sq, length_sum, truncated, informative_sum, mismatch, tokens, fed,
-     n) = comm.reduce_values(
+    (reward_sum, reward_sq, length_sum, truncated, informative_sum, mismatch, compared_sum,
+     tokens, fed, n) = comm.reduce_values(
         [rewards.sum(), (rewards ** 2).sum(), sum(len(s.response_ids) for s in samples),
          sum(s.finish_reason == "length" for s in samples), informative.sum(), mismatch_sum,
-         float(mask.sum()), sum(layout.fed_tokens(batch.lengths_B)
+         compared, float(mask.sum()), sum(layout.fed_tokens(batch.lengths_B)
                                 for per_k in _layouts(run, batch) for layout in per_k),
          len(samples)], device=ctx.device, group=ctx.dp_group)
     mean = reward_sum / n
@@ -519,8 +520,8 @@ def step_metrics(run: Run, step, batch, samples, results, drift, timers, seconds
     m["rollout/response_length"] = length_sum / n
     m["rollout/truncated_fraction"] = truncated / n
     m["rollout/informative_fraction"] = informative_sum / n
-    if recomputed is not None:  # (no trainer pass to compare with: engine log-probs)
-        m["rollout/logprob_mismatch"] = mismatch / max(tokens, 1.0)
+    if batch.recomputed_logp_BS is not None:
+        m["rollout/logprob_mismatch"] = mismatch / max(compared_sum, 1.0)
     m.update(drift)
     for name, sec in timers.seconds.items():
         m[f"perf/time/{name}_s"] = sec

@@ -9,7 +9,8 @@ from tests.trainer_workers import SHORT, merge
 # 4 prompts x 4 responses per data-parallel rank in 2 mini-batches; padded micro-batches of 2
 # rows; packed micro-batches of at most 40 tokens (rows are 3 to 29 tokens).
 PACKING = merge(SHORT, {"rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 24},
-                        "algo": {"minibatches": 2},
+                        # the trainer's pass: these responses' engine log-probs are random
+                        "algo": {"minibatches": 2, "old_logprobs": "recompute"},
                         "trainer": {"micro_batch_size": 2, "max_tokens_per_micro_batch": 40,
                                     "sft_steps": 0, "lr": 1e-3}})
 
@@ -122,7 +123,19 @@ def first_minibatch_job(cfg: dict) -> dict:
     run.signals.uninstall()
     run.scorer.close()
     run.logger.close()
-    return {"old_pass_forwards": len(fed), "micro_batches": len(layouts),
+    # The first mini-batch's rows (every position of them) against the rest's response tokens.
+    first = torch.zeros(batch.rows, dtype=torch.bool)
+    first[[row for layout in per_k[0] for row in layout.rows]] = True
+    rest = ~first[:, None] & (batch.mask_BS > 0)
+    first_resp = first[:, None] & (batch.mask_BS > 0)
+    return {"source": job.behaviour_source(run.ctx.device.type),
+            "old_pass_forwards": len(fed), "micro_batches": len(layouts),
+            "first_equal": torch.equal(batch.old_logp_BS[first], reference[first]),
+            "rest_is_engine": torch.equal(batch.old_logp_BS[rest], batch.engine_logp_BS[rest]),
+            # the trainer's own log-probs: where it computed them, and only there
+            "recomputed_first": torch.equal(batch.recomputed_logp_BS[first_resp],
+                                            reference[first_resp]),
+            "recomputed_rest_nan": bool(batch.recomputed_logp_BS[~first].isnan().all()),
             "first_minibatch": len(per_k[0]),
             "old_equal": torch.equal(batch.old_logp_BS, reference),
             "recomputed_equal": torch.equal(batch.recomputed_logp_BS, reference),

@@ -198,3 +198,22 @@ def test_unknown_key_names_the_section():
     with pytest.raises(ConfigError) as e:
         job_from_dict({"algo": {"nam": "gspo"}})
     assert str(e.value).startswith("algo.nam=")
+
+
+AUTO_SOURCES = [  # (overrides, device, where ``algo.old_logprobs=auto`` takes them from)
+    ([], "cpu", "engine"),  # the local engine is the trainer's own fp32 model
+    (["model.params_dtype=bfloat16"], "cpu", "recompute"),
+    ([], "cuda", "recompute"),  # GPU kernels: decoding and the full forward round differently
+    (["rollout=sglang", "rollout.sglang_urls=[http://h:1]"], "cpu", "recompute"),
+    (["replay=r2"], "cpu", "recompute"),  # R2 records the pass's routes
+    (["replay=r3"], "cpu", "recompute"),  # R3 replays the engine's routes in the pass
+    (["algo=grpo", "algo.rollout_correction=token_tis"], "cpu", "recompute"),
+    (["algo.old_logprobs=recompute"], "cpu", "recompute"),
+    (["algo.old_logprobs=engine", "model.params_dtype=bfloat16"], "cuda", "engine"),
+]
+
+
+@pytest.mark.parametrize("overrides,device,source", AUTO_SOURCES,
+                         ids=[" ".join(o) + " " + d for o, d, _ in AUTO_SOURCES])
+def test_behaviour_logprobs_source(composer, overrides, device, source):
+    assert validate(composer(overrides)).behaviour_source(device) == source

@@ -33,6 +33,7 @@ FLOP rate (6 x active parameters x tokens fed, over the phase's time) as a share
     python benchmarks/rl_step_vs_trl.py --shape tiny       # 8 RL steps, 16 prompts x 8
     python benchmarks/rl_step_vs_trl.py --shape compute
     python benchmarks/rl_step_vs_trl.py --quick            # 4 RL steps
+    python benchmarks/rl_step_vs_trl.py --shape compute --rounds 3   # both stacks 3 times, alternating
     python benchmarks/rl_step_vs_trl.py --shape compute --paths ours --ours-override trainer.packing=false
 """
 
@@ -282,6 +283,10 @@ def main() -> None:
     p.add_argument("--omp-wait-policy", default="passive",
                    help="OMP_WAIT_POLICY for both stacks (passive | active | '' to inherit)")
     p.add_argument("--quick", action="store_true", help="4 RL steps")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run both stacks this many times, alternating; the last line gives the "
+                        "median of the rounds' speed-ups (slow spells of shared cores hit one "
+                        "stack's run, not a whole round)")
     p.add_argument("--paths", default=",".join(PATHS))
     p.add_argument("--ours-override", action="append", default=[],
                    help="extra Hydra override for our trainer (repeatable), e.g. to time a variant")
@@ -298,6 +303,8 @@ def main() -> None:
     if args.path == "matmul":
         print(json.dumps({"gflops": matmul_gflops(args.threads)}))
         return
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first RL step is warm-up)")
     if (args.prompts * args.group_size) % args.minibatches:
@@ -313,9 +320,27 @@ def main() -> None:
             raise RuntimeError(f"{path} run failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])
 
+    ratios = []
+    for round_ in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {round_ + 1} of {args.rounds}")
+        paths = args.paths.split(",")  # each round in the other order than the one before
+        ratio = one_round(args, subprocess_path, paths[::-1] if round_ % 2 else paths)
+        if ratio is not None:
+            ratios.append(ratio)
+    if ratios:
+        if len(ratios) > 1:
+            print("speed-up per round: " + ", ".join(f"{r:.2f}x" for r in ratios)
+                  + " (the median below)")
+        print(f"speed-up of ours over TRL per RL step: {statistics.median(ratios):.2f}x")
+
+
+def one_round(args, subprocess_path, paths):
+    """The stacks of ``paths`` once each, in that order, the machine's matmul rate before and after; prints the round's table
+    and returns TRL's median step time over ours (None without both)."""
     before = subprocess_path("matmul")["gflops"]
     results, extra = {}, {}
-    for path in args.paths.split(","):
+    for path in paths:
         t0 = time.perf_counter()
         raw = run_ours(args) if path == "ours" else subprocess_path(path)
         extra[path] = {k: v for k, v in raw.items()
@@ -369,8 +394,8 @@ def main() -> None:
                   f"{gflops:.1f} GFLOP/s, {100 * gflops / peak:.0f}% of the fp32 matmul rate "
                   f"(the higher of the two)")
     if base and "ours" in results:
-        print(f"speed-up of ours over TRL per RL step: "
-              f"{base['median_s'] / results['ours']['median_s']:.2f}x")
+        return base["median_s"] / results["ours"]["median_s"]
+    return None
 
 
 if __name__ == "__main__":

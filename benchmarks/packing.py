@@ -51,7 +51,8 @@ def long_tailed_batch(vocab: int, seed: int = 0):
 def measure(packing: bool, args) -> dict:
     job = job_from_dict({
         "rollout": {"prompts_per_step": PROMPTS, "group_size": GROUP, "max_new_tokens": CAP},
-        "algo": {"name": "gspo", "minibatches": 4},
+        # the trainer's old-policy pass (timed below): these responses' log-probs are random
+        "algo": {"name": "gspo", "minibatches": 4, "old_logprobs": "recompute"},
         "trainer": {"steps": 1, "sft_steps": 0, "micro_batch_size": args.micro_batch,
                     "packing": packing, "max_tokens_per_micro_batch": args.budget,
                     "save_interval": 0},

@@ -16,7 +16,7 @@ TensorBoard tags written every RL step (``moe/`` tags: see ``moe.instrument``):
   ``rollout/truncated_fraction``, ``rollout/informative_fraction`` (groups with differing rewards),
   ``rollout/logprob_mismatch`` (mean |engine - trainer| log-prob over the response tokens
   the trainer computed on the old policy: every one after a pass, the first mini-batch's
-  from its update with engine log-probs),
+  from its update with ``auto``'s engine log-probs; not logged without either),
   ``rollout/reward_failures`` (rewards that raised or timed out, scored 0); with the options that
   make them: ``rollout/sampling_rounds``, ``rollout/dropped_groups`` (dynamic sampling),
   ``rollout/overlong_masked``, ``rollout/overlong_penalty``

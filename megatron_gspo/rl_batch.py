@@ -48,9 +48,12 @@ class RolloutBatch:
     old_logp_BS: Optional[torch.Tensor] = None
     first_minibatch_pending: bool = False
     ref_logp_BS: Optional[torch.Tensor] = None  # reference policy (KL term)
-    # The trainer's log-probs on the old policy (its pass; NaN where it has none: the rows the
-    # pass skips until their update's forward fills them in, every row with engine log-probs).
+    # The trainer's log-probs on the old policy: its pass's (NaN on the rows the pass skips
+    # until their update's forward fills them in); None without a pass or such a forward.
     recomputed_logp_BS: Optional[torch.Tensor] = None
+    # The rows that have them (None: every row). With engine behaviour log-probs and no pass,
+    # only the first mini-batch's, from its update's forward.
+    recomputed_rows_B: Optional[torch.Tensor] = None
     informative_B: Optional[torch.Tensor] = None  # 1.0 where the row's group rewards differ
     # Micro-batches of each mini-batch (None: padded rows, ``padded_layouts``).
     layouts: Optional[list] = None
@@ -71,10 +74,13 @@ class RolloutBatch:
 
     def logprob_mismatch(self) -> tuple:
         """(sum of |engine - trainer| log-prob, tokens compared) over the response tokens whose
-        trainer log-prob is known (``recomputed_logp_BS`` finite); (0, 0) without any."""
+        rows have trainer log-probs (``recomputed_rows_B``); (0, 0) without any. A non-finite
+        trainer log-prob in those rows makes the sum so."""
         if self.recomputed_logp_BS is None:
             return 0.0, 0.0
-        compared = (self.mask_BS > 0) & torch.isfinite(self.recomputed_logp_BS)
+        compared = self.mask_BS > 0
+        if self.recomputed_rows_B is not None:
+            compared = compared & self.recomputed_rows_B[:, None]
         diff = torch.where(compared, self.engine_logp_BS - self.recomputed_logp_BS, 0.0)
         return float(diff.abs().sum()), float(compared.sum())
 

@@ -342,33 +342,48 @@ def _unpack(batch, layouts, values: list) -> torch.Tensor:
 def reuses_first_minibatch(run: Run, batch) -> bool:
     """Whether the first mini-batch's behaviour log-probs come from its own update's forward
     (exactly the old policy's) instead of the pass or the engine. Not when something reads
-    them before the updates: R2, rollout correction, the drift probe reading the pass."""
+    them before the updates (R2, rollout correction, the drift probe reading the pass), nor
+    with ``algo.old_logprobs=engine`` asked for: the engine's on every row, as on a GPU."""
     return (run.job.replay.mode != "r2" and run.job.algo.rollout_correction == "none"
-            and not _probe_reads_pass(run, batch))
+            and run.job.algo.old_logprobs != "engine" and not _probe_reads_pass(run, batch))
 
 
 def _probe_reads_pass(run: Run, batch) -> bool:
     return run.drift is not None and run.drift.reads_old_pass(batch)
 
 
+def engine_behaviour(run: Run, batch) -> bool:
+    """Whether the behaviour log-probs are the engine's: ``algo.old_logprobs=engine``, or
+    ``auto`` where ``JobConfig.behaviour_source`` picks them, but for a step whose drift probe
+    reads the pass (that pass then gives them, as with recompute)."""
+    if run.job.algo.old_logprobs == "engine":
+        return True
+    return (run.job.behaviour_source(run.ctx.device.type) == "engine"
+            and not _probe_reads_pass(run, batch))
+
+
 def old_logprobs(run: Run, batch):
     """Behaviour log-probs of the whole batch on the current (old) policy, and the routes of
     each micro-batch's forward (recorded; or under R3, the engine's, replayed), in the order
-    the updates consume them: the engine's (``JobConfig.behaviour_source``) or the trainer's
-    pass. When ``reuses_first_minibatch``, the first mini-batch's rows hold NaN until the first
-    update fills them in from its own forward (``batch.first_minibatch_pending``), and the pass
-    skips them."""
+    the updates consume them: the engine's (``engine_behaviour``) or the trainer's pass, which
+    runs unless nothing needs it (engine log-probs, no replay, no drift probe reading it). When
+    ``reuses_first_minibatch``, the first mini-batch's rows hold NaN until the first update
+    fills them in from its own forward (``batch.first_minibatch_pending``), and the pass skips
+    them."""
     job = run.job
     per_k = _layouts(run, batch)
     layouts = [layout for per in per_k for layout in per]
     temp = job.rollout.temperature
     routes = None
     skip = len(per_k[0]) if reuses_first_minibatch(run, batch) else 0
-    if (job.behaviour_source(run.ctx.device.type) == "engine" and job.replay.mode == "none"
-            and not _probe_reads_pass(run, batch)):
+    engine = engine_behaviour(run, batch)
+    if engine and job.replay.mode == "none" and not _probe_reads_pass(run, batch):
         batch.old_logp_BS = batch.engine_logp_BS.clone()
-        # the trainer's: only where the first update's forward gives them
-        batch.recomputed_logp_BS = torch.full_like(batch.old_logp_BS, float("nan"))
+        batch.recomputed_logp_BS = None
+        if skip:  # the trainer's own log-probs: the first update's forward gives those rows'
+            batch.recomputed_logp_BS = torch.full_like(batch.old_logp_BS, float("nan"))
+            batch.recomputed_rows_B = torch.zeros(batch.rows, dtype=torch.bool)
+            batch.recomputed_rows_B[[row for layout in per_k[0] for row in layout.rows]] = True
     else:
         r3 = _targets(run, batch, layouts) if job.replay.mode == "r3" else None
         # Recorded routes serve R2 and the drift probe's first forward, which never skip.
@@ -382,8 +397,7 @@ def old_logprobs(run: Run, batch):
                                         targets=r3[skip:] if r3 is not None else None)
         logp = _unpack(batch, passed, logp)
         routes = r3 if r3 is not None else routes
-        batch.old_logp_BS = (batch.engine_logp_BS.clone() if job.algo.old_logprobs == "engine"
-                             else logp)
+        batch.old_logp_BS = batch.engine_logp_BS.clone() if engine else logp
         batch.recomputed_logp_BS = logp
     for layout in layouts[:skip]:  # until the first update fills them: loud if read
         for values in {id(t): t for t in (batch.old_logp_BS, batch.recomputed_logp_BS)}.values():
@@ -445,7 +459,7 @@ def update(run: Run, batch, routes):
         if on_policy:  # the behaviour log-probs of the first mini-batch, from its own forward
             for layout, values in zip(layouts, result.extra.pop("old_logp")):
                 layout.scatter(batch.old_logp_BS, values)
-                if batch.recomputed_logp_BS is not batch.old_logp_BS:
+                if batch.recomputed_logp_BS is not batch.old_logp_BS:  # (engine's behaviour)
                     layout.scatter(batch.recomputed_logp_BS, values)
             batch.first_minibatch_pending = False
         if result.applied:

@@ -128,19 +128,28 @@ def first_minibatch_job(cfg: dict) -> dict:
     first[[row for layout in per_k[0] for row in layout.rows]] = True
     rest = ~first[:, None] & (batch.mask_BS > 0)
     first_resp = first[:, None] & (batch.mask_BS > 0)
+    recomputed = batch.recomputed_logp_BS
+    none = torch.full_like(reference, float("nan")) if recomputed is None else recomputed
+    mismatch, compared = batch.logprob_mismatch()
     return {"source": job.behaviour_source(run.ctx.device.type),
             "old_pass_forwards": len(fed), "micro_batches": len(layouts),
             "first_equal": torch.equal(batch.old_logp_BS[first], reference[first]),
+            "first_is_engine": torch.equal(batch.old_logp_BS[first_resp],
+                                           batch.engine_logp_BS[first_resp]),
             "rest_is_engine": torch.equal(batch.old_logp_BS[rest], batch.engine_logp_BS[rest]),
             # the trainer's own log-probs: where it computed them, and only there
-            "recomputed_first": torch.equal(batch.recomputed_logp_BS[first_resp],
-                                            reference[first_resp]),
-            "recomputed_rest_nan": bool(batch.recomputed_logp_BS[~first].isnan().all()),
+            "recomputed_none": recomputed is None,
+            "recomputed_first": torch.equal(none[first_resp], reference[first_resp]),
+            "recomputed_rest_nan": bool(none[~first].isnan().all()),
+            # rollout/logprob_mismatch's terms: |engine - trainer| where the trainer has them
+            "mismatch": mismatch, "compared": compared,
+            "first_mismatch": float((batch.engine_logp_BS - reference)[first_resp].abs().sum()),
+            "first_tokens": float(first_resp.sum()), "tokens": float((batch.mask_BS > 0).sum()),
             "first_minibatch": len(per_k[0]),
             "old_equal": torch.equal(batch.old_logp_BS, reference),
-            "recomputed_equal": torch.equal(batch.recomputed_logp_BS, reference),
+            "recomputed_equal": torch.equal(none, reference),
             "old_max_diff": float((batch.old_logp_BS - reference).abs().max()),
-            "recomputed_max_diff": float((batch.recomputed_logp_BS - reference).abs().max()),
+            "recomputed_max_diff": float((none - reference).abs().max()),
             "ratio": [float(r.metrics["ratio_mean"]) for r in results],
             # the reference model's log-probs (KL term) at every response target
             "reference_filled": batch.ref_logp_BS is not None

@@ -101,6 +101,10 @@ def test_arms_and_experiments_compose(composer):
                                                     "grpo_r3": ("grpo", "r3")}[arm]
     tiny = validate(composer(["+experiment=paper_tiny", "+arm=grpo_r2"]))
     assert tiny.model.name == "tiny_moe" and tiny.replay.mode == "r2"
+    for experiment in ("paper_tiny", "paper_small"):  # every arm the same behaviour log-probs
+        for arm in options("arm"):
+            job = validate(composer([f"+experiment={experiment}", f"+arm={arm}"]))
+            assert job.behaviour_source("cpu") == "recompute", (experiment, arm)
     big = validate(composer(fill(["+experiment=qwen3_30b_a3b", "+arm=gspo", "data=files",
                                   "rollout=sglang", "cluster.partition=gpu"])))
     assert big.model.name == "qwen3_30b_a3b" and big.rollout.engine == "sglang"

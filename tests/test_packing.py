@@ -464,26 +464,36 @@ def test_first_minibatch_behaviour_logprobs_come_from_its_update(parallel):
             assert r["ratio"][0] == 1.0, (combo, r)
 
 
-@pytest.mark.parametrize("parallel", [{}, {"tp": 2, "sequence_parallel": True}],
-                         ids=["1", "tp2_sp"])
-def test_engine_behaviour_logprobs_skip_the_pass_but_not_the_first_update(parallel):
-    """``algo.old_logprobs=engine`` (what ``auto`` picks for the local fp32 CPU engine): no
-    old-policy forward at all; the first mini-batch still takes its behaviour log-probs from its
-    own update's forward (bitwise the old policy's: ratio exactly 1), and those are the only
-    trainer log-probs the step has (``rollout/logprob_mismatch`` compares them); every later
-    mini-batch's are the engine's (random here, so any pass would show)."""
+@pytest.mark.parametrize("ranks,parallel", [(1, {}), (2, {"tp": 2, "sequence_parallel": True}),
+                                            (2, {"pp": 2})], ids=["1", "tp2_sp", "pp2"])
+def test_engine_behaviour_logprobs_skip_the_pass(ranks, parallel):
+    """Engine behaviour log-probs: no old-policy forward at all. With ``algo.old_logprobs=auto``
+    (engine for the local fp32 CPU engine) the first mini-batch still takes its behaviour
+    log-probs from its own update's forward (bitwise the old policy's: ratio exactly 1), and
+    those are the only trainer log-probs the step has (``rollout/logprob_mismatch`` compares
+    them: its sum and count written out here); every later mini-batch's are the engine's
+    (random here, so any pass would show). With ``engine`` asked for, every row's are the
+    engine's (ratio not 1) and nothing is compared."""
     cases = [(first_minibatch_job, (merge(PACKING, {
         "algo": {"old_logprobs": source}, "trainer": {"packing": mode == "packed"},
         "logging": {"progress": False, "drift": False}, "parallel": parallel,
-        "run_dir": tempfile.mkdtemp()}),)) for source, mode in (("engine", "packed"),
-                                                                ("engine", "padded"))]
-    results = run_layouts(1 if not parallel else 2, cases)
-    for per_rank in results:
+        "run_dir": tempfile.mkdtemp()}),)) for source, mode in (("auto", "packed"),
+                                                                ("auto", "padded"),
+                                                                ("engine", "packed"))]
+    results = run_layouts(ranks, cases)
+    for (source, _), per_rank in zip((("auto", "packed"), ("auto", "padded"), ("engine", "")),
+                                     results):
         for r in per_rank:
             assert r["source"] == "engine" and r["old_pass_forwards"] == 0, r
-            assert r["first_equal"] and r["rest_is_engine"], r
-            assert r["recomputed_first"] and r["recomputed_rest_nan"], r
-            assert r["ratio"][0] == 1.0 and r["ratio"][1] != 1.0, r
+            assert r["rest_is_engine"] and r["recomputed_rest_nan"], r
+            if source == "auto":
+                assert r["first_equal"] and r["recomputed_first"], r
+                assert r["ratio"][0] == 1.0 and r["ratio"][1] != 1.0, r
+                assert r["compared"] == r["first_tokens"] < r["tokens"], r
+                assert r["mismatch"] == pytest.approx(r["first_mismatch"], rel=1e-6), r
+            else:
+                assert r["first_is_engine"] and r["recomputed_none"], r
+                assert r["ratio"][0] != 1.0 and (r["mismatch"], r["compared"]) == (0.0, 0.0), r
 
 
 def test_one_minibatch_needs_no_old_policy_pass_and_the_kl_pass_stays():

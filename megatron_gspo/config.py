@@ -206,8 +206,7 @@ class AlgoConfig:
     aux_loss_coeff: float = 0.0  # load-balancing loss (Switch-style, per micro-batch)
     z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
     # Behaviour (old-policy) log-probs: recompute (the trainer's forward-only pass on the old
-    # policy) | engine (the rollout engine's on every row; no pass unless R3's replay or the
-    # drift probe needs one) | auto (engine where the engine is the trainer's own fp32 model on
+    # policy) | engine (the rollout engine's on every row; no pass) | auto (engine where the engine is the trainer's own fp32 model on
     # CPU, so that its log-probs are the old policy's to float rounding, but the first
     # mini-batch's from its update's forward; recompute elsewhere: SGLang, GPU, bf16, R2, R3,
     # rollout correction).
@@ -549,6 +548,11 @@ class JobConfig:
             raise _err("algo.old_logprobs", "engine", "r2 replays the routes of the trainer's "
                        "old-policy pass, which engine log-probs skip", "use algo.old_logprobs="
                        "recompute with r2")
+        if self.algo.old_logprobs == "engine" and self.algo.rollout_correction != "none":
+            raise _err("algo.rollout_correction", self.algo.rollout_correction, "weighs the "
+                       "trainer's old-policy log-probs against the engine's, and "
+                       "algo.old_logprobs=engine takes the engine's for both (every weight 1)",
+                       "use algo.old_logprobs=recompute or auto with rollout correction")
         r = self.rollout
         if r.engine == "sglang" and r.weight_sync == "tensor" and r.tensor_sync_format == "direct":
             from megatron_gspo.rollout.sglang_layout import ServerLayout

@@ -343,47 +343,46 @@ def reuses_first_minibatch(run: Run, batch) -> bool:
     """Whether the first mini-batch's behaviour log-probs come from its own update's forward
     (exactly the old policy's) instead of the pass or the engine. Not when something reads
     them before the updates (R2, rollout correction, the drift probe reading the pass), nor
-    with ``algo.old_logprobs=engine`` asked for: the engine's on every row, as on a GPU."""
+    with ``algo.old_logprobs=engine`` asked for: the engine's on every row."""
     return (run.job.replay.mode != "r2" and run.job.algo.rollout_correction == "none"
             and run.job.algo.old_logprobs != "engine" and not _probe_reads_pass(run, batch))
 
 
+def engine_behaviour(run: Run) -> bool:
+    """Whether the behaviour log-probs are the engine's (``JobConfig.behaviour_source``): then
+    no old-policy pass runs at all (R3's routes are the engine's; the drift probe runs its own
+    forward)."""
+    return run.job.behaviour_source(run.ctx.device.type) == "engine"
+
+
 def _probe_reads_pass(run: Run, batch) -> bool:
-    return run.drift is not None and run.drift.reads_old_pass(batch)
-
-
-def engine_behaviour(run: Run, batch) -> bool:
-    """Whether the behaviour log-probs are the engine's: ``algo.old_logprobs=engine``, or
-    ``auto`` where ``JobConfig.behaviour_source`` picks them, but for a step whose drift probe
-    reads the pass (that pass then gives them, as with recompute)."""
-    if run.job.algo.old_logprobs == "engine":
-        return True
-    return (run.job.behaviour_source(run.ctx.device.type) == "engine"
-            and not _probe_reads_pass(run, batch))
+    """Whether the drift probe takes the pass's first forward instead of one of its own."""
+    return (run.drift is not None and not engine_behaviour(run)
+            and run.drift.reads_old_pass(batch))
 
 
 def old_logprobs(run: Run, batch):
     """Behaviour log-probs of the whole batch on the current (old) policy, and the routes of
     each micro-batch's forward (recorded; or under R3, the engine's, replayed), in the order
-    the updates consume them: the engine's (``engine_behaviour``) or the trainer's pass, which
-    runs unless nothing needs it (engine log-probs, no replay, no drift probe reading it). When
-    ``reuses_first_minibatch``, the first mini-batch's rows hold NaN until the first update
-    fills them in from its own forward (``batch.first_minibatch_pending``), and the pass skips
-    them."""
+    the updates consume them: the engine's (``engine_behaviour``: no pass) or the trainer's
+    pass's. When ``reuses_first_minibatch``, the first mini-batch's rows hold NaN until the
+    first update fills them in from its own forward (``batch.first_minibatch_pending``), and the
+    pass skips them."""
     job = run.job
     per_k = _layouts(run, batch)
     layouts = [layout for per in per_k for layout in per]
     temp = job.rollout.temperature
     routes = None
     skip = len(per_k[0]) if reuses_first_minibatch(run, batch) else 0
-    engine = engine_behaviour(run, batch)
-    if engine and job.replay.mode == "none" and not _probe_reads_pass(run, batch):
+    batch.recomputed_rows_B = None
+    if engine_behaviour(run):
         batch.old_logp_BS = batch.engine_logp_BS.clone()
         batch.recomputed_logp_BS = None
         if skip:  # the trainer's own log-probs: the first update's forward gives those rows'
             batch.recomputed_logp_BS = torch.full_like(batch.old_logp_BS, float("nan"))
             batch.recomputed_rows_B = torch.zeros(batch.rows, dtype=torch.bool)
             batch.recomputed_rows_B[[row for layout in per_k[0] for row in layout.rows]] = True
+        routes = _targets(run, batch, layouts) if job.replay.mode == "r3" else None
     else:
         r3 = _targets(run, batch, layouts) if job.replay.mode == "r3" else None
         # Recorded routes serve R2 and the drift probe's first forward, which never skip.
@@ -397,8 +396,7 @@ def old_logprobs(run: Run, batch):
                                         targets=r3[skip:] if r3 is not None else None)
         logp = _unpack(batch, passed, logp)
         routes = r3 if r3 is not None else routes
-        batch.old_logp_BS = batch.engine_logp_BS.clone() if engine else logp
-        batch.recomputed_logp_BS = logp
+        batch.old_logp_BS = batch.recomputed_logp_BS = logp
     for layout in layouts[:skip]:  # until the first update fills them: loud if read
         for values in {id(t): t for t in (batch.old_logp_BS, batch.recomputed_logp_BS)}.values():
             layout.scatter(values, torch.full_like(layout.gather(values), float("nan")))
@@ -438,7 +436,8 @@ def correct_for_the_engine(run: Run, batch) -> dict:
 
 
 def update(run: Run, batch, routes):
-    """K mini-batch updates; the first is on-policy (ratio 1), later ones are off-policy."""
+    """K mini-batch updates; the first is on-policy (ratio 1; against the engine's log-probs
+    with ``algo.old_logprobs=engine``), later ones are off-policy."""
     job = run.job
     results, drift = [], {}
     replaying = job.replay.mode in ("r2", "r3")
@@ -459,7 +458,7 @@ def update(run: Run, batch, routes):
         if on_policy:  # the behaviour log-probs of the first mini-batch, from its own forward
             for layout, values in zip(layouts, result.extra.pop("old_logp")):
                 layout.scatter(batch.old_logp_BS, values)
-                if batch.recomputed_logp_BS is not batch.old_logp_BS:  # (engine's behaviour)
+                if batch.recomputed_logp_BS is not batch.old_logp_BS:  # (auto's engine ones)
                     layout.scatter(batch.recomputed_logp_BS, values)
             batch.first_minibatch_pending = False
         if result.applied:

@@ -106,7 +106,7 @@ def first_minibatch_job(cfg: dict) -> dict:
     from megatron_gspo import trainer
     from megatron_gspo.policy import logprob_pass
 
-    job, run, _, _, batch = _step_inputs(cfg)
+    job, run, samples, _, batch = _step_inputs(cfg)
     per_k = trainer._layouts(run, batch)
     layouts = [layout for per in per_k for layout in per]
     mbs = trainer._micro_batches(run, batch, layouts)
@@ -120,6 +120,7 @@ def first_minibatch_job(cfg: dict) -> dict:
     hook.remove()
     trainer.correct_for_the_engine(run, batch)
     results, _ = trainer.update(run, batch, routes)
+    metrics = trainer.step_metrics(run, 1, batch, samples, results, {}, trainer.Timers(), 1.0)
     run.signals.uninstall()
     run.scorer.close()
     run.logger.close()
@@ -143,6 +144,7 @@ def first_minibatch_job(cfg: dict) -> dict:
             "recomputed_rest_nan": bool(none[~first].isnan().all()),
             # rollout/logprob_mismatch's terms: |engine - trainer| where the trainer has them
             "mismatch": mismatch, "compared": compared,
+            "mismatch_metric": metrics.get("rollout/logprob_mismatch"),
             "first_mismatch": float((batch.engine_logp_BS - reference)[first_resp].abs().sum()),
             "first_tokens": float(first_resp.sum()), "tokens": float((batch.mask_BS > 0).sum()),
             "first_minibatch": len(per_k[0]),

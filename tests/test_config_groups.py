@@ -129,6 +129,8 @@ INVALID = [  # (overrides, key the message must name)
     (["replay=r3", "rollout=sglang", "rollout.return_routes=false",
       "rollout.sglang_urls=[http://h:1]"], "replay.mode"),  # engine without routes
     (["replay=r2", "algo.old_logprobs=engine"], "algo.old_logprobs"),
+    (["algo.rollout_correction=seq_tis", "algo.old_logprobs=engine"],
+     "algo.rollout_correction"),  # every weight 1
     (["replay=r2", "model.num_experts=0"], "replay.mode"),  # replay on a dense model
     (["rollout.engine=vllm"], "rollout.engine"),
     (["rollout.group_size=1"], "rollout.group_size"),

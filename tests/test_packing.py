@@ -3,6 +3,7 @@ under a token budget, the same number of micro-batches on every rank), packed la
 step packed vs padded on 1 rank, DP=2, CP=2 and TP=2+SP: the same loss, grad norm and updated
 log-probs, for each algorithm, with R2 and R3, and with rollout correction."""
 
+import math
 import random
 import tempfile
 
@@ -464,6 +465,36 @@ def test_first_minibatch_behaviour_logprobs_come_from_its_update(parallel):
             assert r["ratio"][0] == 1.0, (combo, r)
 
 
+def test_logprob_mismatch_compares_the_rows_the_trainer_has():
+    """``RolloutBatch.logprob_mismatch``: sum |engine - trainer| and the count over response
+    tokens of the rows that have trainer log-probs (every row when ``recomputed_rows_B`` is
+    None); NaN outside those rows is left out, NaN inside them makes the sum NaN (loud)."""
+    from megatron_gspo.rl_batch import RolloutBatch
+
+    mask = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1], [1, 1, 1, 0]], dtype=torch.float32)
+    engine = torch.tensor([[0.0, -1.0, -2.0, 0.0], [0.0, 0.0, -0.5, -0.25],
+                           [-3.0, -1.0, -1.0, 0.0]])
+    trainer = engine + torch.tensor([[9.0, 0.5, -0.25, 9.0], [9.0, 9.0, 1.0, 2.0],
+                                     [0.125, 0.125, 0.125, 9.0]])
+    batch = RolloutBatch(tokens_BS1=torch.zeros(3, 5, dtype=torch.long), mask_BS=mask,
+                         engine_logp_BS=engine, advantages_B=torch.zeros(3),
+                         rewards_B=torch.zeros(3), lengths_B=torch.full((3,), 4),
+                         prompt_lengths_B=torch.ones(3, dtype=torch.long))
+    assert batch.logprob_mismatch() == (0.0, 0.0)  # no trainer log-probs at all
+    batch.recomputed_logp_BS = trainer
+    assert batch.logprob_mismatch() == (0.5 + 0.25 + 1.0 + 2.0 + 3 * 0.125, 7.0)
+    batch.recomputed_rows_B = torch.tensor([True, False, True])
+    batch.recomputed_logp_BS = trainer.clone()
+    batch.recomputed_logp_BS[1] = float("nan")  # a row the trainer has not computed
+    assert batch.logprob_mismatch() == (0.5 + 0.25 + 3 * 0.125, 5.0)
+    batch.recomputed_logp_BS[0, 2] = float("nan")  # a NaN where the trainer computed
+    total, count = batch.logprob_mismatch()
+    assert math.isnan(total) and count == 5.0
+
+
+ENGINE_CASES = (("auto", "packed"), ("auto", "padded"), ("engine", "packed"), ("engine", "padded"))
+
+
 @pytest.mark.parametrize("ranks,parallel", [(1, {}), (2, {"tp": 2, "sequence_parallel": True}),
                                             (2, {"pp": 2})], ids=["1", "tp2_sp", "pp2"])
 def test_engine_behaviour_logprobs_skip_the_pass(ranks, parallel):
@@ -471,29 +502,29 @@ def test_engine_behaviour_logprobs_skip_the_pass(ranks, parallel):
     (engine for the local fp32 CPU engine) the first mini-batch still takes its behaviour
     log-probs from its own update's forward (bitwise the old policy's: ratio exactly 1), and
     those are the only trainer log-probs the step has (``rollout/logprob_mismatch`` compares
-    them: its sum and count written out here); every later mini-batch's are the engine's
-    (random here, so any pass would show). With ``engine`` asked for, every row's are the
-    engine's (ratio not 1) and nothing is compared."""
+    them: its sum and count written out here, and the logged mean); every later mini-batch's
+    are the engine's (random here, so any pass would show). With ``engine`` asked for, every
+    row's are the engine's (ratio not 1), nothing is compared and the metric is not logged."""
     cases = [(first_minibatch_job, (merge(PACKING, {
         "algo": {"old_logprobs": source}, "trainer": {"packing": mode == "packed"},
         "logging": {"progress": False, "drift": False}, "parallel": parallel,
-        "run_dir": tempfile.mkdtemp()}),)) for source, mode in (("auto", "packed"),
-                                                                ("auto", "padded"),
-                                                                ("engine", "packed"))]
+        "run_dir": tempfile.mkdtemp()}),)) for source, mode in ENGINE_CASES]
     results = run_layouts(ranks, cases)
-    for (source, _), per_rank in zip((("auto", "packed"), ("auto", "padded"), ("engine", "")),
-                                     results):
+    for (source, mode), per_rank in zip(ENGINE_CASES, results):
         for r in per_rank:
-            assert r["source"] == "engine" and r["old_pass_forwards"] == 0, r
-            assert r["rest_is_engine"] and r["recomputed_rest_nan"], r
+            assert r["source"] == "engine" and r["old_pass_forwards"] == 0, (source, mode, r)
+            assert r["rest_is_engine"], (source, mode, r)
             if source == "auto":
-                assert r["first_equal"] and r["recomputed_first"], r
+                assert r["first_equal"] and r["recomputed_first"] and r["recomputed_rest_nan"], r
                 assert r["ratio"][0] == 1.0 and r["ratio"][1] != 1.0, r
                 assert r["compared"] == r["first_tokens"] < r["tokens"], r
                 assert r["mismatch"] == pytest.approx(r["first_mismatch"], rel=1e-6), r
+                assert r["mismatch_metric"] == pytest.approx(
+                    r["first_mismatch"] / r["first_tokens"], rel=1e-6), r
             else:
-                assert r["first_is_engine"] and r["recomputed_none"], r
+                assert r["first_is_engine"] and r["recomputed_none"], (mode, r)
                 assert r["ratio"][0] != 1.0 and (r["mismatch"], r["compared"]) == (0.0, 0.0), r
+                assert r["mismatch_metric"] is None, (mode, r)
 
 
 def test_one_minibatch_needs_no_old_policy_pass_and_the_kl_pass_stays():

@@ -336,8 +336,9 @@ def main() -> None:
 
 
 def one_round(args, subprocess_path, paths):
-    """The stacks of ``paths`` once each, in that order, the machine's matmul rate before and after; prints the round's table
-    and returns TRL's median step time over ours (None without both)."""
+    """The stacks of ``paths`` once each, in that order, and the machine's matmul rate before
+    and after; prints the round's table and returns TRL's median step time over ours (None
+    without both)."""
     before = subprocess_path("matmul")["gflops"]
     results, extra = {}, {}
     for path in paths:

@@ -206,10 +206,10 @@ class AlgoConfig:
     aux_loss_coeff: float = 0.0  # load-balancing loss (Switch-style, per micro-batch)
     z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
     # Behaviour (old-policy) log-probs: recompute (the trainer's forward-only pass on the old
-    # policy) | engine (the rollout engine's on every row; no pass) | auto (engine where the engine is the trainer's own fp32 model on
-    # CPU, so that its log-probs are the old policy's to float rounding, but the first
-    # mini-batch's from its update's forward; recompute elsewhere: SGLang, GPU, bf16, R2, R3,
-    # rollout correction).
+    # policy) | engine (the rollout engine's on every row; no pass) | auto (engine where the
+    # engine is the trainer's own fp32 model on CPU, so that its log-probs are the old
+    # policy's to float rounding, but the first mini-batch's from its update's forward;
+    # recompute elsewhere: SGLang, GPU, bf16, R2, R3, rollout correction).
     old_logprobs: str = "auto"
     # Rollout correction for the engine/trainer mismatch (megatron_gspo.correction): none |
     # token_tis | seq_tis (weights min(ratio, cap)) | seq_mis (sequences outside [low, high]

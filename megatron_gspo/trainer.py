@@ -374,6 +374,7 @@ def old_logprobs(run: Run, batch):
     temp = job.rollout.temperature
     routes = None
     skip = len(per_k[0]) if reuses_first_minibatch(run, batch) else 0
+    r3 = _targets(run, batch, layouts) if job.replay.mode == "r3" else None
     batch.recomputed_rows_B = None
     if engine_behaviour(run):
         batch.old_logp_BS = batch.engine_logp_BS.clone()
@@ -382,9 +383,8 @@ def old_logprobs(run: Run, batch):
             batch.recomputed_logp_BS = torch.full_like(batch.old_logp_BS, float("nan"))
             batch.recomputed_rows_B = torch.zeros(batch.rows, dtype=torch.bool)
             batch.recomputed_rows_B[[row for layout in per_k[0] for row in layout.rows]] = True
-        routes = _targets(run, batch, layouts) if job.replay.mode == "r3" else None
+        routes = r3
     else:
-        r3 = _targets(run, batch, layouts) if job.replay.mode == "r3" else None
         # Recorded routes serve R2 and the drift probe's first forward, which never skip.
         record = run.replay is not None and r3 is None and not skip
         # Routes recorded or replayed follow the updates' micro-batches; log-probs alone need not.
@@ -398,7 +398,7 @@ def old_logprobs(run: Run, batch):
         routes = r3 if r3 is not None else routes
         batch.old_logp_BS = batch.recomputed_logp_BS = logp
     for layout in layouts[:skip]:  # until the first update fills them: loud if read
-        for values in {id(t): t for t in (batch.old_logp_BS, batch.recomputed_logp_BS)}.values():
+        for values in (batch.old_logp_BS, batch.recomputed_logp_BS):  # (maybe one tensor)
             layout.scatter(values, torch.full_like(layout.gather(values), float("nan")))
     batch.first_minibatch_pending = bool(skip)
     if run.ref_model is not None:
@@ -458,8 +458,7 @@ def update(run: Run, batch, routes):
         if on_policy:  # the behaviour log-probs of the first mini-batch, from its own forward
             for layout, values in zip(layouts, result.extra.pop("old_logp")):
                 layout.scatter(batch.old_logp_BS, values)
-                if batch.recomputed_logp_BS is not batch.old_logp_BS:  # (auto's engine ones)
-                    layout.scatter(batch.recomputed_logp_BS, values)
+                layout.scatter(batch.recomputed_logp_BS, values)  # (maybe the same tensor)
             batch.first_minibatch_pending = False
         if result.applied:
             run.scheduler.step(1)

@@ -24,7 +24,11 @@ checks that they agree, and prints the median times (the two run alternately) an
 - RoPE: megatron-core's unfused ``apply_rotary_pos_emb`` (cos / sin, and under packing the
   per-sequence table, made in every layer for q and k) vs ``layers.cache_rope_tables`` (made once
   per table / micro-batch), over the 6 layers of the compute shape: one decoding step, and one
-  packed micro-batch forward + backward.
+  packed micro-batch forward + backward;
+- experts: the CPU SwiGLU function's backward computing ``silu(a)`` again, the probabilities'
+  gradient as a product and a sum and ``silu_backward`` copied into its half of the buffer vs
+  ``grouped_experts._ExpertsSwiGLU`` (``silu(a)`` kept from the forward, ``vecdot``, written in
+  place), forward + backward of the compute shape's 6 expert layers on one update's routed rows.
 
     python benchmarks/step_parts.py [--threads 2] [--repeats 5]
 """
@@ -439,6 +443,84 @@ def rope(torch, repeats, packed):
                          run(attention.apply_rotary_pos_emb), repeats))
 
 
+def experts_swiglu(torch, repeats):
+    import torch.nn.functional as F
+
+    from megatron_gspo import grouped_experts as ge
+
+    class Replaced(ge._ExpertsSwiGLU):  # its forward and backward before the change
+        @staticmethod
+        def forward(ctx, x_TH, probs_T, bounds, n, *weights):
+            fc1, fc2 = weights[:n], weights[n:]
+            h_TF2 = x_TH.new_empty(x_TH.shape[0], fc1[0].shape[0])
+            for (r0, r1), w in zip(bounds, fc1):
+                torch.mm(x_TH[r0:r1], w.t(), out=h_TF2[r0:r1])
+            f = h_TF2.shape[1] // 2
+            sb_TF = F.silu(h_TF2[:, :f]).mul_(h_TF2[:, f:])
+            g_TF = sb_TF * probs_T.unsqueeze(-1)
+            out_TH = x_TH.new_empty(x_TH.shape[0], fc2[0].shape[0])
+            for (r0, r1), w in zip(bounds, fc2):
+                torch.mm(g_TF[r0:r1], w.t(), out=out_TH[r0:r1])
+            ctx.save_for_backward(x_TH, probs_T, h_TF2, sb_TF, g_TF, *weights)
+            ctx.bounds, ctx.n = bounds, n
+            return out_TH
+
+        @staticmethod
+        def backward(ctx, grad_TH):
+            x_TH, probs_T, h_TF2, sb_TF, g_TF, *weights = ctx.saved_tensors
+            fc1, fc2, bounds = weights[:ctx.n], weights[ctx.n:], ctx.bounds
+            grad_TH = grad_TH.contiguous()
+            dg_TF = torch.empty_like(g_TF)
+            d_fc2 = []
+            for (r0, r1), w in zip(bounds, fc2):
+                torch.mm(grad_TH[r0:r1], w, out=dg_TF[r0:r1])
+                d_fc2.append(ge._weight_grad(w, grad_TH[r0:r1].t(), g_TF[r0:r1]))
+            d_probs = (dg_TF * sb_TF).sum(-1)
+            dsb_TF = dg_TF.mul_(probs_T.unsqueeze(-1))
+            f = h_TF2.shape[1] // 2
+            a_TF, b_TF = h_TF2[:, :f], h_TF2[:, f:]
+            dh_TF2 = torch.empty_like(h_TF2)
+            torch.mul(dsb_TF, F.silu(a_TF), out=dh_TF2[:, f:])
+            dh_TF2[:, :f] = torch.ops.aten.silu_backward(dsb_TF.mul_(b_TF), a_TF)
+            dx_TH = torch.empty_like(x_TH)
+            d_fc1 = []
+            for (r0, r1), w in zip(bounds, fc1):
+                torch.mm(dh_TF2[r0:r1], w, out=dx_TH[r0:r1])
+                d_fc1.append(ge._weight_grad(w, dh_TF2[r0:r1].t(), x_TH[r0:r1]))
+            return (dx_TH, d_probs, None, None, *d_fc1, *d_fc2)
+
+    # compute shape: 6 layers of 16 experts (fc1 [512, 256], fc2 [256, 256]) with DDP's
+    # main_grad buffers; rows per expert as one update's router gave them (3,219 in all)
+    g = torch.Generator().manual_seed(0)
+    counts = [199, 313, 154, 257, 140, 195, 324, 201, 305, 245, 99, 158, 149, 188, 258, 195]
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    bounds = list(zip([0] + ends[:-1], ends))
+    layers = []
+    for _ in range(6):
+        weights = ([torch.nn.Parameter(torch.randn(512, 256, generator=g) / 16) for _ in range(16)]
+                   + [torch.nn.Parameter(torch.randn(256, 256, generator=g) / 16)
+                      for _ in range(16)])
+        for w in weights:
+            w.main_grad = torch.zeros_like(w)
+        x = torch.randn(ends[-1], 256, generator=g)
+        layers.append((weights, x, torch.rand(ends[-1], generator=g),
+                       torch.randn(ends[-1], 256, generator=g)))
+
+    def run(fn):
+        def go():
+            grads = []
+            for weights, x0, p0, dy in layers:
+                x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+                fn.apply(x, p, bounds, 16, *weights).backward(dy)
+                grads += [x.grad, p.grad]
+            return grads
+        return go
+
+    assert all(torch.equal(a, b) for a, b in zip(run(Replaced)(), run(ge._ExpertsSwiGLU)()))
+    return ("experts' SwiGLU fwd+bwd, 6 layers x 16 experts, 3,219 rows (compute shape)",
+            *timed(run(Replaced), run(ge._ExpertsSwiGLU), repeats))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--threads", type=int, default=2)
@@ -457,7 +539,7 @@ def main() -> None:
             nonfinite(torch, args.repeats), seeded_sampling(torch, args.repeats, 128),
             seeded_sampling(torch, args.repeats, 151936), expert_stack(torch, args.repeats),
             entropy(torch, args.repeats, 32768), rope(torch, args.repeats, False),
-            rope(torch, args.repeats, True)]
+            rope(torch, args.repeats, True), experts_swiglu(torch, args.repeats)]
     print(f"{args.threads} threads, median of {args.repeats}, before and after run alternately "
           "(ms); before = the replaced code")
     print(f"{'part':72s} {'before':>9s} {'after':>9s} {'speed-up':>9s}")

@@ -19,7 +19,9 @@ generation as one autograd function instead
 (``_ExpertsSwiGLU``): the same per-expert matmuls, written into slices of preallocated outputs
 from the experts' own weights, so no stacked copy of the weights per forward (generation keeps
 its cached stacks), and a backward that writes the GLU's two gradient halves into one buffer
-(no chunk and cat). The same products and sums in the same order: bitwise the grouped path's.
+(no chunk and cat) and reuses the forward's ``silu(a)`` (kept: one more ``[tokens, F]`` per
+layer) instead of computing it again. The same products and sums in the same order: bitwise
+the grouped path's.
 """
 
 from __future__ import annotations
@@ -63,18 +65,19 @@ class _ExpertsSwiGLU(torch.autograd.Function):
         for (r0, r1), w in zip(bounds, fc1):
             torch.mm(x_TH[r0:r1], w.t(), out=h_TF2[r0:r1])
         f = h_TF2.shape[1] // 2
-        sb_TF = F.silu(h_TF2[:, :f]).mul_(h_TF2[:, f:])
+        sa_TF = F.silu(h_TF2[:, :f])  # kept for the backward: no second silu there
+        sb_TF = sa_TF * h_TF2[:, f:]
         g_TF = sb_TF * probs_T.unsqueeze(-1)
         out_TH = x_TH.new_empty(x_TH.shape[0], fc2[0].shape[0])
         for (r0, r1), w in zip(bounds, fc2):
             torch.mm(g_TF[r0:r1], w.t(), out=out_TH[r0:r1])
-        ctx.save_for_backward(x_TH, probs_T, h_TF2, sb_TF, g_TF, *weights)
+        ctx.save_for_backward(x_TH, probs_T, h_TF2, sa_TF, sb_TF, g_TF, *weights)
         ctx.bounds, ctx.n = bounds, n
         return out_TH
 
     @staticmethod
     def backward(ctx, grad_TH):
-        x_TH, probs_T, h_TF2, sb_TF, g_TF, *weights = ctx.saved_tensors
+        x_TH, probs_T, h_TF2, sa_TF, sb_TF, g_TF, *weights = ctx.saved_tensors
         fc1, fc2, bounds = weights[:ctx.n], weights[ctx.n:], ctx.bounds
         grad_TH = grad_TH.contiguous()
         dg_TF = torch.empty_like(g_TF)
@@ -82,13 +85,14 @@ class _ExpertsSwiGLU(torch.autograd.Function):
         for (r0, r1), w in zip(bounds, fc2):
             torch.mm(grad_TH[r0:r1], w, out=dg_TF[r0:r1])
             d_fc2.append(_weight_grad(w, grad_TH[r0:r1].t(), g_TF[r0:r1]))
-        d_probs = (dg_TF * sb_TF).sum(-1) if ctx.needs_input_grad[1] else None
+        d_probs = torch.linalg.vecdot(dg_TF, sb_TF) if ctx.needs_input_grad[1] else None
         dsb_TF = dg_TF.mul_(probs_T.unsqueeze(-1))
         f = h_TF2.shape[1] // 2
         a_TF, b_TF = h_TF2[:, :f], h_TF2[:, f:]
         dh_TF2 = torch.empty_like(h_TF2)
-        torch.mul(dsb_TF, F.silu(a_TF), out=dh_TF2[:, f:])
-        dh_TF2[:, :f] = torch.ops.aten.silu_backward(dsb_TF.mul_(b_TF), a_TF)
+        torch.mul(dsb_TF, sa_TF, out=dh_TF2[:, f:])
+        torch.ops.aten.silu_backward.grad_input(dsb_TF.mul_(b_TF), a_TF,
+                                                grad_input=dh_TF2[:, :f])
         dx_TH = torch.empty_like(x_TH)
         d_fc1 = []
         for (r0, r1), w in zip(bounds, fc1):

@@ -39,7 +39,8 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
         if getattr(module, "config", None) is not None:
             module.config.glu_linear_offset = glu_offset
             module.config.activation_func_clamp_value = clamp
-    diffs = {"out": [], "dx": [], "dw": []}  # per layer, reduced by torch (a NaN stays)
+    # per layer, reduced by torch (a NaN stays)
+    diffs = {"out": [], "dx": [], "dprobs": [], "dw": []}
     if ddp:
         diffs["accum"] = []
     paths = set()  # the forwards GroupedSequentialMLP took
@@ -65,17 +66,17 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
         w_out = torch.randn(int(counts.sum()), cfg.hidden_size, generator=g).to(**on)
         results = []
         for module in (seq, grouped):
-            xi = x.clone().requires_grad_()
+            xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
             for p in module.parameters():
                 p.grad = None
             if ddp:
                 wrapped.zero_grad_buffer()
-            y, _ = module(xi, counts, probs)
+            y, _ = module(xi, counts, pi)
             (y * w_out).sum().backward()
             if ddp:
                 assert all(p.grad is None for p in module.parameters())
                 wrapped.finish_grad_sync()  # (raises unless every bucket was marked ready)
-            results.append((y.detach(), xi.grad, [(p.main_grad if ddp else p.grad).clone()
+            results.append((y.detach(), xi.grad, pi.grad, [(p.main_grad if ddp else p.grad).clone()
                                                   for p in module.parameters()]))
         if ddp:  # two micro-batches of the same tokens: the buffers hold twice the gradients
             wrapped.zero_grad_buffer()
@@ -86,12 +87,13 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
             wrapped.finish_grad_sync()
             twice = [p.main_grad for p in grouped.parameters()]
             diffs["accum"].append(torch.stack([(t - 2 * a).abs().max() for t, a in
-                                               zip(twice, results[1][2])]).max()
-                                  / torch.stack([a.abs().max() for a in results[1][2]]).max())
+                                               zip(twice, results[1][3])]).max()
+                                  / torch.stack([a.abs().max() for a in results[1][3]]).max())
         paths.add(grouped.path(x, probs))
-        (y0, dx0, dw0), (y1, dx1, dw1) = results
+        (y0, dx0, dp0, dw0), (y1, dx1, dp1, dw1) = results
         diffs["out"].append((y0 - y1).abs().max() / y0.abs().max())
         diffs["dx"].append((dx0 - dx1).abs().max() / dx0.abs().max())
+        diffs["dprobs"].append((dp0 - dp1).abs().max() / dp0.abs().max())
         # relative to the largest weight gradient of the layer's experts (the expert without
         # tokens has all-zero gradients: a ratio per parameter would be 0 / 0)
         diffs["dw"].append(torch.stack([(a - b).abs().max() for a, b in zip(dw0, dw1)]).max()

@@ -1,5 +1,6 @@
 """Grouped-GEMM experts (megatron_gspo/grouped_experts.py) against Megatron's SequentialMLP: the
-same outputs, input gradients and weight gradients (fp32, <= 1e-6 of the largest value) on 1 rank, EP=2 and expert
+same outputs, input gradients (of the tokens and of their routing probabilities) and weight
+gradients (fp32, <= 1e-6 of the largest value) on 1 rank, EP=2 and expert
 TP=2, with an expert that gets no token, and with Megatron's GLU offset and clamp, through the CPU
 function and through grouped_mm, also under Megatron's DDP (gradients in its main_grad buffers,
 accumulating over backwards); and the layer spec uses them unless told not to."""
@@ -25,5 +26,6 @@ def test_grouped_experts_equal_sequential_mlp_and_are_in_the_spec():
         for r in per_rank:
             assert r["paths"] == [path], r
             assert r["out"] <= 1e-6 and r["dx"] <= 1e-6 and r["dw"] <= 1e-6, r
+            assert r["dprobs"] <= 1e-6, r
             assert r.get("accum", 0.0) <= 1e-6, r
     assert spec[0] == {"default": "GroupedSequentialMLP", "off": "SequentialMLP"}

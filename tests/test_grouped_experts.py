@@ -1,8 +1,8 @@
 """Grouped-GEMM experts (megatron_gspo/grouped_experts.py) against Megatron's SequentialMLP: the
 same outputs, input gradients (of the tokens and of their routing probabilities) and weight
-gradients (fp32, <= 1e-6 of the largest value) on 1 rank, EP=2 and expert
-TP=2, with an expert that gets no token, and with Megatron's GLU offset and clamp, through the CPU
-function and through grouped_mm, also under Megatron's DDP (gradients in its main_grad buffers,
+gradients (fp32, <= 1e-6 of the largest value) on 1 rank, EP=2 and expert TP=2, with an expert
+that gets no token, and with Megatron's GLU offset and clamp, through the CPU function and
+through grouped_mm, also under Megatron's DDP (gradients in its main_grad buffers,
 accumulating over backwards); and the layer spec uses them unless told not to."""
 
 from tests.distributed import run_layouts

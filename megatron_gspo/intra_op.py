@@ -11,8 +11,9 @@ has CPUs it throttles the spin-waiting of every team (with ``OMP_WAIT_POLICY=act
 instead of 30 billion; by default 100 instead of 300,000), so the training thread's team sleeps
 in the kernel and is woken between parallel regions, for the rest of the run. On 2 cores one
 checkpoint save (Megatron's ``all_gather_object`` of the sharding metadata) made every later RL
-step of the benchmark's compute shape about 30% slower with ``OMP_WAIT_POLICY=active`` (README,
-"Per RL step against TRL"), and a rollout 84% slower with the default policy.
+step of the benchmark's compute shape about 30% slower with ``OMP_WAIT_POLICY=active``
+(docs/performance.md, "The release after 78b3229"), and a rollout 84% slower with the default
+policy.
 
 ``pin_to_this_thread()`` keeps the calling thread's count and makes one the count that every
 other thread takes: torch's process-wide count is set to 1 and the calling thread's own OpenMP

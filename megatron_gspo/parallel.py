@@ -7,6 +7,7 @@ world size and the model before any process group is created.
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import socket
@@ -159,6 +160,13 @@ def init_parallel(cfg: ParallelConfig, model: ModelConfig, *, seed: Optional[int
         else:
             dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
                                     rank=0, world_size=1)
+        # A process that exits with its world still up has torch destroy the process group
+        # during interpreter finalization, where gloo's work threads can abort it
+        # ("terminate called without an active exception", SIGABRT after the work is done).
+        # Tearing down at exit, while the interpreter is whole, covers every entry point and
+        # script; one registration however often the world is made again.
+        atexit.unregister(_destroy_at_exit)
+        atexit.register(_destroy_at_exit)
 
     ps.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tp,
@@ -212,6 +220,12 @@ def seed_all(ctx: ParallelContext, seed: int) -> None:
     else:
         cpu_backend.seed_rng_tracker(stage_seed, tp_rank=ctx.tp_rank, ep_rank=ctx.ep_rank,
                                      etp_rank=ctx.etp_rank)
+
+
+def _destroy_at_exit() -> None:
+    """``destroy_parallel()`` if the world is still up (registered with ``atexit``)."""
+    if dist.is_initialized():
+        destroy_parallel()
 
 
 def destroy_parallel(*, keep_process_group: bool = False) -> None:

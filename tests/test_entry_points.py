@@ -118,3 +118,28 @@ def test_rl_step_script_runs_on_cpu_with_the_tiny_model():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "phases: rollout" in out.stdout and "old_logprobs" in out.stdout
     assert "model TFLOP/s" in out.stdout and "2 updates over" in out.stdout
+
+
+EXIT_TEARDOWN = """
+import atexit, json
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron_gspo.config import ModelConfig, ParallelConfig
+from megatron_gspo.parallel import destroy_parallel, init_parallel
+init_parallel(ParallelConfig(), ModelConfig(vocab_size=128))
+destroy_parallel()
+init_parallel(ParallelConfig(), ModelConfig(vocab_size=128))  # the world made again
+atexit._run_exitfuncs()  # what interpreter exit runs first
+print(json.dumps({"world": dist.is_initialized(), "megatron": ps.model_parallel_is_initialized()}))
+"""
+
+
+def test_a_process_that_exits_with_its_world_up_tears_it_down_first():
+    """Scripts and tools that end without destroy_parallel (rl_step_1b.py, convert_hf, evaluate)
+    have it run at exit, before interpreter finalization, where gloo's threads could abort the
+    process after its work was done (here after the world was made a second time)."""
+    out = subprocess.run([sys.executable, "-c", EXIT_TEARDOWN], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = __import__("json").loads(out.stdout.strip().splitlines()[-1])
+    assert r == {"world": False, "megatron": False}

@@ -5,9 +5,10 @@ checks that they agree, and prints the median times (the two run alternately) an
 
 - packed attention: one SDPA call per packed sequence vs ``layers.packed_causal_attention``
   (length buckets), forward + backward; its gathers and writes by advanced indexing vs
-  ``index_select`` / ``index_copy_``, with shared prompts; its buckets as two batched matmuls
-  and a softmax vs SDPA's CPU kernel, forward + backward and forward only, at the compute and
-  tiny shapes' heads; and its bucket plan built per sequence vs by whole-bucket operations;
+  ``index_select`` / ``index_copy_``, with shared prompts; every bucket through SDPA's CPU kernel
+  vs the short ones as batched matmuls (``layers._MatmulBuckets``), forward + backward and
+  forward only, at the compute and tiny shapes' heads; and its bucket plan built per sequence vs
+  by whole-bucket operations;
 - batch building: the step's rows and packed layouts per sample and segment vs by whole-batch
   operations (``rl_batch.build_batch``, ``Layout.packed_rows``);
 - Adam: torch's AdamW as Megatron builds it without Apex / TE (per-parameter loop on CPU) vs the
@@ -137,37 +138,17 @@ def attention_gathers(torch, F, repeats):
         return out
 
     before = _fwd_bwd(indexed, qkv)
-    after = _fwd_bwd(lambda q, k, v: packed_causal_attention(q, k, v, plan), qkv)
+    after = _fwd_bwd(lambda q, k, v: packed_causal_attention(q, k, v, plan, matmul_max_keys=0),
+                     qkv)
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(before(), after()))
     return (f"packed attention's gathers, shared prompts ({qkv[0].shape[0]} tokens), fwd+bwd",
             *timed(before, after, repeats))
 
 
-def _matmul_buckets(torch, q_TND, k_TGD, v_TGD, plan):
-    """Packed attention with each bucket as two batched matmuls and a softmax, as the release
-    after d9fa9c5 ran buckets of <= 128 keys on CPU in fp32 (a KV group's query heads stacked
-    along the positions, the causal rule an additive -inf bias)."""
-    out = torch.empty_like(q_TND)
-    n, g, d = q_TND.shape[1], k_TGD.shape[1], q_TND.shape[2]
-    r = n // g
-    for bucket in plan:
-        b, m = bucket.index.shape
-        q, k, v = (t.index_select(0, bucket.keys).view(b, m, *t.shape[1:])
-                   for t in (q_TND, k_TGD, v_TGD))
-        q = q.view(b, m, g, r, d).permute(0, 2, 3, 1, 4).reshape(b * g, r * m, d)
-        k = k.permute(0, 2, 3, 1).reshape(b * g, d, m)
-        v = v.permute(0, 2, 1, 3).reshape(b * g, m, d)
-        bias = torch.full((m, m), float("-inf")).triu(1).repeat(r, 1)
-        p = torch.softmax(torch.baddbmm(bias, q, k, alpha=d ** -0.5), dim=-1)
-        o = torch.bmm(p, v).view(b, g, r, m, d).permute(0, 3, 1, 2, 4).reshape(b * m, n, d)
-        out.index_copy_(0, bucket.rows, o.index_select(0, bucket.outputs))
-    return out
-
-
 def bucket_kernel(torch, repeats, heads, groups, backward):
-    """Packed attention's buckets as two batched matmuls and a softmax (as they were) vs SDPA's
-    kernel (``layers.packed_causal_attention``), on ``_shared_prompt_batch`` with ``heads`` /
-    ``groups`` of 32."""
+    """Packed attention with every bucket through SDPA's kernel (``matmul_max_keys=0``: the code
+    this replaced) vs the default (buckets of <= 32 key slots as ``layers._MatmulBuckets``), on
+    ``_shared_prompt_batch``'s plan with ``heads`` / ``groups`` of 32."""
     from megatron_gspo.layers import bucket_plan, packed_causal_attention
 
     g = torch.Generator().manual_seed(0)
@@ -178,14 +159,14 @@ def bucket_kernel(torch, repeats, heads, groups, backward):
     def run(fn):  # -> a tuple: the gradients of q, k, v, or the output
         return _fwd_bwd(fn, qkv) if backward else lambda: (fn(*qkv),)
 
-    before = run(lambda q, k, v: _matmul_buckets(torch, q, k, v, plan))
+    before = run(lambda q, k, v: packed_causal_attention(q, k, v, plan, matmul_max_keys=0))
     after = run(lambda q, k, v: packed_causal_attention(q, k, v, plan))
     with torch.set_grad_enabled(backward):
         # gradients up to ~35 here: fp32 rounding of a different summation order
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-4)
                    for a, b in zip(before(), after()))
         times = timed(before, after, repeats)
-    return (f"packed attention's buckets as matmuls vs SDPA ({heads}/{groups} heads), "
+    return (f"packed attention, SDPA vs short buckets as matmuls ({heads}/{groups} heads), "
             f"{'fwd+bwd' if backward else 'fwd'}", *times)
 
 

@@ -152,36 +152,112 @@ def _plan_of(packed_seq_params, device) -> list:
     return cache["bucket_plan"]
 
 
-def packed_causal_attention(q_TND, k_TGD, v_TGD, plan, *, scale=None, dropout_p=0.0):
+# The float types that the CPU paths written out here (RMSNorm's backward, short buckets' and
+# decoding's attention) compute in their own precision; bf16 / fp16 stay on torch's kernels
+# (SDPA's CPU kernel accumulates them in fp32).
+FULL_PRECISION = (torch.float32, torch.float64)
+
+
+# Buckets of at most this many key slots run as ``_MatmulBuckets`` on CPU in full precision; longer
+# ones through SDPA's kernel, which is faster there (``benchmarks/step_parts.py``).
+MATMUL_MAX_KEYS = 32
+
+
+class _MatmulBuckets(torch.autograd.Function):
+    """Causal attention of short buckets (``Bucket``) as batched matmuls and a softmax, forward and
+    backward written out: ``[T, N, D]`` out, zero at rows in no bucket.
+
+    SDPA's CPU kernel runs one task per (sequence, head) with a fixed cost each, which dominates at
+    a few tens of keys; here a bucket is two batched products per KV group. Layout ``[G, T, r, D]``
+    (``r = N / G`` query heads of a group) is made once per call, so a bucket's gather
+    (``index_select`` on the token dim) is already the kernel's ``[G x b, m x r, D]``: its ``r``
+    heads stacked along the positions, interleaved (row ``j r + h``: position ``j``, head ``h``),
+    sharing one product with the group's keys. Scores are kept keys-first, ``[G b, m, m r]``, so
+    the softmax runs over a strided dim (torch's kernel over a last dim of 15 keys takes about 6x
+    as long). A query's output gradient is zeroed where it is no output (padding, a shared
+    prefix's slots), so their rows add nothing to the key and value gradients."""
+
+    @staticmethod
+    def forward(ctx, q_TND, k_TGD, v_TGD, plan, scale):
+        t, n, d = q_TND.shape
+        g = k_TGD.shape[1]
+        r = n // g
+        q_GTrD = q_TND.view(t, g, r, d).transpose(0, 1).contiguous()
+        k_GTD, v_GTD = (x.transpose(0, 1).contiguous() for x in (k_TGD, v_TGD))
+        out_GTrD = q_TND.new_zeros(g, t, r, d)
+        saved = []
+        for bucket in plan:
+            b, m = bucket.index.shape
+            q = q_GTrD.index_select(1, bucket.keys).view(g * b, m * r, d)
+            k, v = (x.index_select(1, bucket.keys).view(g * b, m, d) for x in (k_GTD, v_GTD))
+            query_pos = torch.arange(m, device=q.device).repeat_interleave(r)
+            future = torch.arange(m, device=q.device)[:, None] > query_pos[None, :]
+            bias_mR = q.new_zeros(m, m * r).masked_fill_(future, float("-inf"))
+            p_BmR = torch.baddbmm(bias_mR, k, q.transpose(1, 2), alpha=scale).softmax(1)
+            o = torch.bmm(p_BmR.transpose(1, 2), v).view(g, b * m, r, d)
+            out_GTrD.index_copy_(1, bucket.rows, o.index_select(1, bucket.outputs))
+            saved += [q, k, v, p_BmR]
+        ctx.save_for_backward(*saved)
+        ctx.plan, ctx.scale, ctx.groups = plan, scale, g
+        return out_GTrD.transpose(0, 1).reshape(t, n, d)
+
+    @staticmethod
+    def backward(ctx, dout_TND):
+        t, n, d = dout_TND.shape
+        saved, g = ctx.saved_tensors, ctx.groups
+        r = n // g
+        dout_GTrD = dout_TND.reshape(t, g, r, d).transpose(0, 1).contiguous()
+        dq_GTrD = dout_TND.new_zeros(g, t, r, d)
+        dk_GTD, dv_GTD = dout_TND.new_zeros(g, t, d), dout_TND.new_zeros(g, t, d)
+        for i, bucket in enumerate(ctx.plan):
+            q, k, v, p_BmR = saved[4 * i:4 * i + 4]
+            b, m = bucket.index.shape
+            real = bucket.real.reshape(1, b * m, 1, 1).to(dout_TND.dtype)
+            do = dout_GTrD.index_select(1, bucket.keys).mul_(real).view(g * b, m * r, d)
+            dv = torch.bmm(p_BmR, do)
+            ds_BmR = torch._softmax_backward_data(torch.bmm(v, do.transpose(1, 2)), p_BmR, 1,
+                                                  p_BmR.dtype)
+            dq = torch.bmm(ds_BmR.transpose(1, 2), k).mul_(ctx.scale)
+            dk = torch.bmm(ds_BmR, q).mul_(ctx.scale)
+            dq_GTrD.index_add_(1, bucket.keys, dq.view(g, b * m, r, d))  # 0 off the outputs
+            dk_GTD.index_add_(1, bucket.keys, dk.view(g, b * m, d))
+            dv_GTD.index_add_(1, bucket.keys, dv.view(g, b * m, d))
+        return (dq_GTrD.transpose(0, 1).reshape(t, n, d), dk_GTD.transpose(0, 1).contiguous(),
+                dv_GTD.transpose(0, 1).contiguous(), None, None)
+
+
+def packed_causal_attention(q_TND, k_TGD, v_TGD, plan, *, scale=None, dropout_p=0.0,
+                            matmul_max_keys=MATMUL_MAX_KEYS):
     """[T, N, D] causal attention within each sequence of a packed row (``plan``: the row's
     ``bucket_plan``).
 
-    Sequences of similar length go through ``scaled_dot_product_attention`` together, right-
-    padded to the bucket's longest: under the causal rule a real query never sees a key after
-    it, so padding changes no real output (padded queries are dropped and get no gradient; so
-    are the queries of a shared prefix ahead of a sequence, whose keys it attends to). The
-    work is about that of the sequences' own lengths (sum of L^2), not the packed row's (T^2)
-    that a block-diagonal mask over the whole row would cost, in a few calls instead of one per
-    sequence. (On CPU, SDPA's kernel also beats the short buckets written out as two batched
-    matmuls and a softmax: 1.3x forward + backward, 1.3-1.5x forward only, on compute- and
-    tiny-shape micro-batches, ``benchmarks/step_parts.py``; README, Benchmarks.)"""
-    out = torch.empty_like(q_TND)
+    Sequences of similar length are attended together, right-padded to the bucket's longest:
+    under the causal rule a real query never sees a key after it, so padding changes no real
+    output (padded queries are dropped and get no gradient; so are the queries of a shared
+    prefix ahead of a sequence, whose keys it attends to). The work is about that of the
+    sequences' own lengths (sum of L^2), not the packed row's (T^2) that a block-diagonal mask
+    over the whole row would cost, in a few calls instead of one per sequence. On CPU in full
+    precision without dropout, buckets of at most ``matmul_max_keys`` key slots run as batched
+    matmuls (``_MatmulBuckets``: 2x SDPA's speed forward + backward at 16 keys, even at 32);
+    the others, and every bucket elsewhere, through ``scaled_dot_product_attention``."""
+    scale = q_TND.shape[-1] ** -0.5 if scale is None else scale  # SDPA's default
+    short = [] if (q_TND.device.type != "cpu" or q_TND.dtype not in FULL_PRECISION
+                   or dropout_p != 0.0) else [
+        i for i, bucket in enumerate(plan) if bucket.index.shape[1] <= matmul_max_keys]
+    if short:
+        out = _MatmulBuckets.apply(q_TND, k_TGD, v_TGD, tuple(plan[i] for i in short), scale)
+    else:
+        out = torch.empty_like(q_TND)
     n, g = q_TND.shape[1], k_TGD.shape[1]
-    for bucket in plan:  # (gathers and writes by index_select / index_copy: their backwards are
-        b, m = bucket.index.shape  # index_add / index_select, far cheaper than advanced indexing's)
+    for bucket in (plan[i] for i in range(len(plan)) if i not in short):
+        b, m = bucket.index.shape  # (gathers and writes by index_select / index_copy: their
         q, k, v = (t.index_select(0, bucket.keys).view(b, m, *t.shape[1:]).permute(0, 2, 1, 3)
-                   for t in (q_TND, k_TGD, v_TGD))  # [b, N, M, D]
-        o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                           scale=scale, enable_gqa=(n != g))
+                   for t in (q_TND, k_TGD, v_TGD))  # backwards are index_add / index_select,
+        o = F.scaled_dot_product_attention(  # far cheaper than advanced indexing's) [b, N, M, D]
+            q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=(n != g))
         o = o.permute(0, 2, 1, 3).reshape(b * m, *q_TND.shape[1:])
         out.index_copy_(0, bucket.rows, o.index_select(0, bucket.outputs))
     return out
-
-
-# The float types that the CPU paths written out here (RMSNorm's backward, decoding's attention)
-# compute in their own precision; bf16 / fp16 stay on torch's kernels (SDPA's CPU kernel
-# accumulates them in fp32).
-FULL_PRECISION = (torch.float32, torch.float64)
 
 
 def decode_attention(q_BNTD, k_BGSD, v_BGSD, masked_B1TS=None, scale=None):

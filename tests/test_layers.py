@@ -45,14 +45,15 @@ def test_bucket_plan_of_shared_prefixes_written_out():
 
 def test_packed_causal_attention_equals_each_sequence_alone_with_gradients():
     """Buckets of right-padded sequences: outputs and the gradients of q, k, v equal causal SDPA
-    on each sequence alone (GQA; lengths over several buckets, one of them a single token)."""
+    on each sequence alone (GQA; lengths over several buckets, one of them a single token, the
+    short ones through the matmul kernel, one of 40-70 keys through SDPA's)."""
     import torch
     import torch.nn.functional as F
 
     from megatron_gspo.layers import bucket_plan, packed_causal_attention
 
     g = torch.Generator().manual_seed(0)
-    lengths = [9, 1, 4, 17, 8, 16, 3]
+    lengths = [9, 1, 4, 17, 40, 8, 16, 70, 3]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     t = int(cu[-1])
     q0, k0, v0 = (torch.randn(t, n, 8, generator=g) for n in (4, 2, 2))
@@ -77,6 +78,53 @@ def test_packed_causal_attention_equals_each_sequence_alone_with_gradients():
     reference = grads(alone)
     for a, b in zip(ours, reference):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # fp32 rounding, not masking
+
+
+def test_packed_attention_kernels_agree_and_short_buckets_take_the_matmuls():
+    """The same packed row with shared prefixes through both kernels (buckets of <= 32 key slots
+    as ``_MatmulBuckets``, or every bucket through SDPA with ``matmul_max_keys=0``): the same
+    outputs and gradients within fp32 rounding; the default puts the short buckets on the
+    matmuls (the autograd graph says which ran) and leaves a 48-key bucket on SDPA."""
+    import torch
+
+    from megatron_gspo.layers import bucket_plan, packed_causal_attention
+
+    g = torch.Generator().manual_seed(3)
+    bounds, prefix_of = [0], []
+    for prompt, tails in ((6, (3, 20)), (5, (9, 1, 0)), (30, (18,)), (4, ())):
+        prefix = len(prefix_of)
+        bounds.append(bounds[-1] + prompt)
+        prefix_of.append(-1)
+        for n in tails:
+            bounds.append(bounds[-1] + n)
+            prefix_of.append(prefix)
+    plan = bucket_plan(tuple(bounds), "cpu", tuple(prefix_of))
+    assert sorted(b.index.shape[1] for b in plan) == [6, 14, 48]
+    t = bounds[-1] + 2  # two padding tokens after the last sequence
+    q0, k0, v0 = (torch.randn(t, n, 16, generator=g) for n in (6, 3, 3))
+    weight = torch.randn(t, 6, 16, generator=g)
+    weight[bounds[-1]:] = 0
+
+    def run(**kw):
+        q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+        out = packed_causal_attention(q, k, v, plan, **kw)
+        (out * weight).sum().backward()
+        nodes, todo = set(), [out.grad_fn]
+        while todo:  # the autograd graph's node names
+            node = todo.pop()
+            nodes.add(node.name())
+            todo += [f for f, _ in node.next_functions if f is not None]
+        return {n for n in nodes if "Matmul" in n or "Flash" in n}, [
+            out.detach()[:bounds[-1]], q.grad, k.grad, v.grad]
+
+    kernels, ours = run()
+    assert kernels == {"_MatmulBucketsBackward", "ScaledDotProductFlashAttentionForCpuBackward0"}
+    kernels, sdpa = run(matmul_max_keys=0)
+    assert kernels == {"ScaledDotProductFlashAttentionForCpuBackward0"}
+    assert run(matmul_max_keys=48)[0] == {"_MatmulBucketsBackward"}
+    for a, b in zip(ours, sdpa):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert ours[1][bounds[-1]:].abs().max() == 0  # padding tokens get no gradient
 
 
 @pytest.mark.parametrize("heads,groups,masked", [(8, 4, True), (4, 4, False), (6, 1, True)])

@@ -160,7 +160,7 @@ FULL_PRECISION = (torch.float32, torch.float64)
 
 # Buckets of at most this many key slots run as ``_MatmulBuckets`` on CPU in full precision; longer
 # ones through SDPA's kernel, which is faster there (``benchmarks/step_parts.py``).
-MATMUL_MAX_KEYS = 32
+MATMUL_MAX_KEYS = 64
 
 
 class _MatmulBuckets(torch.autograd.Function):
@@ -238,7 +238,8 @@ def packed_causal_attention(q_TND, k_TGD, v_TGD, plan, *, scale=None, dropout_p=
     sequences' own lengths (sum of L^2), not the packed row's (T^2) that a block-diagonal mask
     over the whole row would cost, in a few calls instead of one per sequence. On CPU in full
     precision without dropout, buckets of at most ``matmul_max_keys`` key slots run as batched
-    matmuls (``_MatmulBuckets``: 2x SDPA's speed forward + backward at 16 keys, even at 32);
+    matmuls (``_MatmulBuckets``: 2x SDPA's speed forward + backward at 16 keys, 1.2-1.5x at
+    32-40, even at 64-96, slower from 128);
     the others, and every bucket elsewhere, through ``scaled_dot_product_attention``."""
     scale = q_TND.shape[-1] ** -0.5 if scale is None else scale  # SDPA's default
     short = [] if (q_TND.device.type != "cpu" or q_TND.dtype not in FULL_PRECISION

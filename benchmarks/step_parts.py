@@ -487,12 +487,16 @@ def experts_swiglu(torch, repeats):
         layers.append((weights, x, torch.rand(ends[-1], generator=g),
                        torch.randn(ends[-1], 256, generator=g)))
 
+    workspaces = [ge.Workspace() for _ in layers]
+
     def run(fn):
         def go():
             grads = []
-            for weights, x0, p0, dy in layers:
+            for (weights, x0, p0, dy), ws in zip(layers, workspaces):
                 x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
-                fn.apply(x, p, bounds, 16, *weights).backward(dy)
+                out = (fn.apply(x, p, bounds, 16, *weights) if fn is Replaced
+                       else ge.experts_swiglu(x, p, bounds, ws, weights[:16], weights[16:]))
+                out.backward(dy)
                 grads += [x.grad, p.grad]
             return grads
         return go

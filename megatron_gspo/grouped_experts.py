@@ -126,7 +126,11 @@ class _ExpertsSwiGLU(torch.autograd.Function):
         for (r0, r1), w in zip(bounds, fc2):
             torch.mm(grad_TH[r0:r1], w, out=dg_TF[r0:r1])
             d_fc2.append(_weight_grad(w, grad_TH[r0:r1].t(), g_TF[r0:r1]))
-        d_probs = torch.linalg.vecdot(dg_TF, sb_TF) if ctx.needs_input_grad[1] else None
+        d_probs = None
+        if ctx.needs_input_grad[1]:  # vecdot, with its product in a kept buffer
+            prod_TF = ws.take(*dg_TF.shape, dg_TF)
+            d_probs = torch.mul(dg_TF, sb_TF, out=prod_TF).sum(-1)
+            ws.give(prod_TF)
         dsb_TF = dg_TF.mul_(probs_T.unsqueeze(-1))
         f = h_TF2.shape[1] // 2
         a_TF, b_TF = h_TF2[:, :f], h_TF2[:, f:]

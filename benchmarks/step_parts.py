@@ -428,6 +428,7 @@ def experts_swiglu(torch, repeats):
     import torch.nn.functional as F
 
     from megatron_gspo import grouped_experts as ge
+    from megatron_gspo.buffers import BufferPool
 
     class Replaced(ge._ExpertsSwiGLU):  # its forward and backward before the change
         @staticmethod
@@ -487,7 +488,7 @@ def experts_swiglu(torch, repeats):
         layers.append((weights, x, torch.rand(ends[-1], generator=g),
                        torch.randn(ends[-1], 256, generator=g)))
 
-    workspaces = [ge.Workspace() for _ in layers]
+    workspaces = [BufferPool() for _ in layers]
 
     def run(fn):
         def go():

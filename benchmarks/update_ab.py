@@ -12,7 +12,7 @@ quartiles are printed with each variant's median time per token and page faults 
 Variants (``--change``):
 
 - ``experts_workspace``: the CPU experts' function taking fresh buffers in every pass (the code
-  before ``grouped_experts.Workspace``) against the layer's workspace, which keeps them.
+  before its ``buffers.BufferPool``) against the layer's pool, which keeps them.
 
     python benchmarks/update_ab.py --shape compute --steps 12
 """
@@ -39,13 +39,14 @@ from rl_step_vs_trl import SHAPE_FIELDS, SHAPES  # noqa: E402
 
 def experts_workspace(run):
     """(before, after) setters: every expert layer's workspace fresh per pass, or kept."""
-    from megatron_gspo.grouped_experts import GroupedSequentialMLP, Workspace
+    from megatron_gspo.buffers import BufferPool
+    from megatron_gspo.grouped_experts import GroupedSequentialMLP
 
-    class Fresh(Workspace):  # the buffers as the function took them before: new in every pass
-        def take(self, rows, width, like):
-            return like.new_empty(rows, width)
+    class Fresh(BufferPool):  # the buffers as the function took them before: new in every pass
+        def take(self, shape, like):
+            return like.new_empty(shape)
 
-        def give(self, *views):
+        def give(self, *tensors):
             pass
 
     layers = [m for m in run.gpt.modules() if isinstance(m, GroupedSequentialMLP)]

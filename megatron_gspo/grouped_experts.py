@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+from megatron_gspo.buffers import BufferPool
+
 
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward hands on a contiguous gradient (grouped_mm's backward refuses the
@@ -53,52 +55,29 @@ def grouped_linear(x_TH: torch.Tensor, weights_EHO: torch.Tensor, offsets_E: tor
     return _ContiguousGrad.apply(out_TO) if out_TO.requires_grad else out_TO
 
 
-class Workspace:
-    """Free 2-D buffers of one layer's ``_ExpertsSwiGLU`` kept between its passes.
-
-    The function's activations (fc1's output, ``silu(a)``, ``silu(a) * b``, the scaled rows) and
-    its backward's temporaries are a few MB each per layer; taken fresh in every pass, the CPU
-    allocator hands back memory the kernel maps anew, and each 4 KB page faults on first write
-    (about 12,000 faults and 0.09 s of kernel time per compute RL step). A pass takes its buffers
-    here and gives them back when nothing reads them any more: the forward's at the end of its
-    backward (or at once when no backward will run), the backward's temporaries at its end. A
-    graph dropped without its backward just keeps its buffers (they are freed with it); a buffer
-    is never in two live passes. Buffers are sized to the rows asked for plus a quarter, so that
-    the next, slightly longer micro-batch fits."""
-
-    def __init__(self):
-        self.free: list[torch.Tensor] = []
-
-    def take(self, rows: int, width: int, like: torch.Tensor) -> torch.Tensor:
-        """A ``[rows, width]`` buffer (uninitialised) of ``like``'s dtype and device."""
-        for i, buf in enumerate(self.free):
-            if (buf.shape[1] == width and buf.shape[0] >= rows and buf.dtype == like.dtype
-                    and buf.device == like.device):
-                return self.free.pop(i)[:rows]
-        return like.new_empty(rows + rows // 4 + 1, width)[:rows]
-
-    def give(self, *views: torch.Tensor) -> None:
-        """Hand back buffers that ``take`` returned (views of them)."""
-        for v in views:
-            self.free.append(v if v._base is None else v._base)
-
-
 class _ExpertsSwiGLU(torch.autograd.Function):
     """fp32 rows grouped by expert (``bounds``: each expert's [start, end) rows) through each
     expert's ``fc2(silu(a) * b * prob)``, ``[a, b] = fc1(x)``; ``weights``: the ``n`` fc1 weights
-    ``[2F, H]`` then the ``n`` fc2 weights ``[H, F]``; ``ws``: the layer's ``Workspace``;
-    ``recorded``: autograd records this call (a backward may follow). Call it through
-    ``experts_swiglu``."""
+    ``[2F, H]`` then the ``n`` fc2 weights ``[H, F]``; ``recorded``: autograd records this call
+    (a backward may follow). Call it through ``experts_swiglu``.
+
+    Its activations (fc1's output, ``silu(a)``, ``silu(a) * b``, the scaled rows) and its
+    backward's temporaries, a few MB each per layer, come from the layer's ``BufferPool``
+    (``ws``; taken fresh in every pass they faulted in about 12,000 pages per compute RL step)
+    and go back when nothing reads them any more: the forward's at the end of its backward (or
+    at once when no backward will run), the temporaries as soon as they are used. A graph
+    dropped without its backward keeps its buffers (they are freed with it), so a buffer is
+    never in two live passes."""
 
     @staticmethod
     def forward(ctx, x_TH, probs_T, bounds, n, ws, recorded, *weights):
         fc1, fc2 = weights[:n], weights[n:]
         t = x_TH.shape[0]
-        h_TF2 = ws.take(t, fc1[0].shape[0], x_TH)
+        h_TF2 = ws.take((t, fc1[0].shape[0]), x_TH)
         for (r0, r1), w in zip(bounds, fc1):
             torch.mm(x_TH[r0:r1], w.t(), out=h_TF2[r0:r1])
         f = h_TF2.shape[1] // 2
-        sa_TF, sb_TF, g_TF = (ws.take(t, f, x_TH) for _ in range(3))
+        sa_TF, sb_TF, g_TF = (ws.take((t, f), x_TH) for _ in range(3))
         torch.ops.aten.silu.out(h_TF2[:, :f], out=sa_TF)  # kept for the backward: no second silu
         torch.mul(sa_TF, h_TF2[:, f:], out=sb_TF)
         torch.mul(sb_TF, probs_T.unsqueeze(-1), out=g_TF)
@@ -121,20 +100,20 @@ class _ExpertsSwiGLU(torch.autograd.Function):
             raise RuntimeError("_ExpertsSwiGLU: backward through the same graph twice "
                                "(retain_graph) is not supported")
         grad_TH = grad_TH.contiguous()
-        dg_TF = ws.take(*g_TF.shape, g_TF)
+        dg_TF = ws.take(g_TF.shape, g_TF)
         d_fc2 = []
         for (r0, r1), w in zip(bounds, fc2):
             torch.mm(grad_TH[r0:r1], w, out=dg_TF[r0:r1])
             d_fc2.append(_weight_grad(w, grad_TH[r0:r1].t(), g_TF[r0:r1]))
         d_probs = None
         if ctx.needs_input_grad[1]:  # vecdot, with its product in a kept buffer
-            prod_TF = ws.take(*dg_TF.shape, dg_TF)
+            prod_TF = ws.take(dg_TF.shape, dg_TF)
             d_probs = torch.mul(dg_TF, sb_TF, out=prod_TF).sum(-1)
             ws.give(prod_TF)
         dsb_TF = dg_TF.mul_(probs_T.unsqueeze(-1))
         f = h_TF2.shape[1] // 2
         a_TF, b_TF = h_TF2[:, :f], h_TF2[:, f:]
-        dh_TF2 = ws.take(*h_TF2.shape, h_TF2)
+        dh_TF2 = ws.take(h_TF2.shape, h_TF2)
         torch.mul(dsb_TF, sa_TF, out=dh_TF2[:, f:])
         torch.ops.aten.silu_backward.grad_input(dsb_TF.mul_(b_TF), a_TF,
                                                 grad_input=dh_TF2[:, :f])
@@ -147,7 +126,7 @@ class _ExpertsSwiGLU(torch.autograd.Function):
         return (dx_TH, d_probs, None, None, None, None, *d_fc1, *d_fc2)
 
 
-def experts_swiglu(x_TH: torch.Tensor, probs_T: torch.Tensor, bounds: list, ws: Workspace,
+def experts_swiglu(x_TH: torch.Tensor, probs_T: torch.Tensor, bounds: list, ws: BufferPool,
                    fc1: list, fc2: list) -> torch.Tensor:
     """``_ExpertsSwiGLU`` of rows grouped by expert (``bounds``: each expert's [start, end)
     rows) with the experts' ``fc1`` and ``fc2`` weights, its buffers from ``ws``."""
@@ -181,12 +160,12 @@ class GroupedSequentialMLP(SequentialMLP):
     # backward: 105.9 ms against 97.7 through grouped_mm; 512 x 256: a compute step 5% faster).
     swiglu_cpu_min_weight = 16384
 
-    def workspace(self) -> Workspace:
+    def workspace(self) -> BufferPool:
         """This layer's buffers for ``_ExpertsSwiGLU`` (made at first use: the class is also
         assigned to existing ``SequentialMLP`` objects)."""
         ws = self.__dict__.get("_workspace")
         if ws is None:
-            ws = self._workspace = Workspace()
+            ws = self._workspace = BufferPool()
         return ws
 
     def _stacked_weights(self):

@@ -46,7 +46,7 @@ def _swiglu_reference(x, probs, counts, fc1, fc2):
 
 def test_experts_function_workspace_reuses_buffers_without_sharing_live_ones():
     """The CPU experts function takes its activations and temporaries from the layer's
-    ``Workspace`` and gives them back after its backward: two passes in flight at once (as
+    ``BufferPool`` and gives them back after its backward: two passes in flight at once (as
     pipeline schedules keep them) never share a buffer, each gives the reference's outputs and
     gradients, the next pass reuses the given-back memory, a pass without autograd gives its
     buffers back at once, longer inputs get new buffers, and a second backward through the same
@@ -54,13 +54,14 @@ def test_experts_function_workspace_reuses_buffers_without_sharing_live_ones():
     import pytest
     import torch
 
-    from megatron_gspo.grouped_experts import Workspace, experts_swiglu
+    from megatron_gspo.buffers import BufferPool
+    from megatron_gspo.grouped_experts import experts_swiglu
 
     g = torch.Generator().manual_seed(0)
     h, f, n = 32, 24, 4
     fc1 = [(torch.randn(2 * f, h, generator=g) / 6).requires_grad_() for _ in range(n)]
     fc2 = [(torch.randn(h, f, generator=g) / 5).requires_grad_() for _ in range(n)]
-    ws = Workspace()
+    ws = BufferPool()
 
     def batch(counts):
         t = sum(counts)
@@ -109,4 +110,4 @@ def test_experts_function_workspace_reuses_buffers_without_sharing_live_ones():
     ref = _swiglu_reference(x, p, counts, fc1, fc2)
     for a, b in zip(grads(out, dy, x, p), grads(ref, dy, x, p)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert max(b.shape[0] for b in ws.free) >= sum(counts)
+    assert max(b.numel() for b in ws.free) >= sum(counts) * 2 * f

@@ -122,19 +122,21 @@ class LocalEngine:
     """Generates with ``gpt`` in this process; weight updates are the trainer's own, in place."""
 
     def __init__(self, gpt, ctx: ParallelContext, *, replay=None, pad_id: int = 0,
-                 lockstep_group=None):
+                 lockstep_group=None, buffers: Optional[BufferPool] = None):
         """``lockstep_group``: ranks that generate different prompts but share collectives inside
         the model (expert parallelism across data-parallel ranks): they pad to one prompt length
-        and decode until every one of them has finished."""
+        and decode until every one of them has finished. ``buffers``: the pool the direct
+        decoding's KV caches come from and go back to between rollouts (the training run's
+        shared one; an own one if not given)."""
         self.gpt, self.ctx, self.replay, self.pad_id = gpt, ctx, replay, pad_id
         self.lockstep = lockstep_group
         # The prefill and the decoding steps through ``decode_step`` where it mirrors the model
         # (a whole model on one CPU rank), else through the model's forward.
         self.direct_decode = decode_step.unsupported(gpt, ctx) is None
         self._kv: Optional[BufferPool] = None  # the pool the generation in progress uses
-        # The direct path's KV caches, kept between rollouts (``buffers``: fresh ones faulted in
-        # about 6,500 pages per compute rollout; zero-filling them alone took 32 ms)
-        self.kv_buffers = BufferPool()
+        # The direct path's KV caches, kept between rollouts (fresh ones faulted in about 6,500
+        # pages per compute rollout; zero-filling them alone took 32 ms)
+        self.kv_buffers = buffers if buffers is not None else BufferPool()
 
     def health(self) -> bool:
         return True

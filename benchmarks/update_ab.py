@@ -12,7 +12,9 @@ quartiles are printed with each variant's median time per token and page faults 
 Variants (``--change``):
 
 - ``experts_workspace``: the CPU experts' function taking fresh buffers in every pass (the code
-  before its ``buffers.BufferPool``) against the layer's pool, which keeps them.
+  before ``buffers.BufferPool``) against the run's pool, which keeps them.
+
+Only the update is alternated: the rest of each step runs as the code is now.
 
     python benchmarks/update_ab.py --shape compute --steps 12
 """
@@ -38,7 +40,7 @@ from rl_step_vs_trl import SHAPE_FIELDS, SHAPES  # noqa: E402
 
 
 def experts_workspace(run):
-    """(before, after) setters: every expert layer's workspace fresh per pass, or kept."""
+    """(before, after) setters: every expert layer's buffers fresh per pass, or the run's pool."""
     from megatron_gspo.buffers import BufferPool
     from megatron_gspo.grouped_experts import GroupedSequentialMLP
 
@@ -112,6 +114,7 @@ def main() -> None:
         t0 = time.perf_counter()
         result = policy_update(ddp, optimizer, mbs, *a, **k)
         seconds = time.perf_counter() - t0
+        setters[1]()  # the rest of the step (rollout included) as the code is now
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         timed[variant].append((seconds / tokens, faults))
         return result

@@ -32,8 +32,6 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from megatron_gspo.buffers import BufferPool
-
 
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward hands on a contiguous gradient (grouped_mm's backward refuses the
@@ -58,62 +56,40 @@ def grouped_linear(x_TH: torch.Tensor, weights_EHO: torch.Tensor, offsets_E: tor
 class _ExpertsSwiGLU(torch.autograd.Function):
     """fp32 rows grouped by expert (``bounds``: each expert's [start, end) rows) through each
     expert's ``fc2(silu(a) * b * prob)``, ``[a, b] = fc1(x)``; ``weights``: the ``n`` fc1 weights
-    ``[2F, H]`` then the ``n`` fc2 weights ``[H, F]``; ``recorded``: autograd records this call
-    (a backward may follow). Call it through ``experts_swiglu``.
-
-    Its activations (fc1's output, ``silu(a)``, ``silu(a) * b``, the scaled rows) and its
-    backward's temporaries, a few MB each per layer, come from the layer's ``BufferPool``
-    (``ws``; taken fresh in every pass they faulted in about 12,000 pages per compute RL step)
-    and go back when nothing reads them any more: the forward's at the end of its backward (or
-    at once when no backward will run), the temporaries as soon as they are used. A graph
-    dropped without its backward keeps its buffers (they are freed with it), so a buffer is
-    never in two live passes."""
+    ``[2F, H]`` then the ``n`` fc2 weights ``[H, F]``."""
 
     @staticmethod
-    def forward(ctx, x_TH, probs_T, bounds, n, ws, recorded, *weights):
+    def forward(ctx, x_TH, probs_T, bounds, n, *weights):
         fc1, fc2 = weights[:n], weights[n:]
-        t = x_TH.shape[0]
-        h_TF2 = ws.take((t, fc1[0].shape[0]), x_TH)
+        h_TF2 = x_TH.new_empty(x_TH.shape[0], fc1[0].shape[0])
         for (r0, r1), w in zip(bounds, fc1):
             torch.mm(x_TH[r0:r1], w.t(), out=h_TF2[r0:r1])
         f = h_TF2.shape[1] // 2
-        sa_TF, sb_TF, g_TF = (ws.take((t, f), x_TH) for _ in range(3))
-        torch.ops.aten.silu.out(h_TF2[:, :f], out=sa_TF)  # kept for the backward: no second silu
-        torch.mul(sa_TF, h_TF2[:, f:], out=sb_TF)
-        torch.mul(sb_TF, probs_T.unsqueeze(-1), out=g_TF)
-        out_TH = x_TH.new_empty(t, fc2[0].shape[0])
+        sa_TF = F.silu(h_TF2[:, :f])  # kept for the backward: no second silu there
+        sb_TF = sa_TF * h_TF2[:, f:]
+        g_TF = sb_TF * probs_T.unsqueeze(-1)
+        out_TH = x_TH.new_empty(x_TH.shape[0], fc2[0].shape[0])
         for (r0, r1), w in zip(bounds, fc2):
             torch.mm(g_TF[r0:r1], w.t(), out=out_TH[r0:r1])
-        if recorded:
-            ctx.save_for_backward(x_TH, probs_T, h_TF2, sa_TF, sb_TF, g_TF, *weights)
-            ctx.bounds, ctx.n, ctx.ws = bounds, n, ws
-        else:  # no backward will read them
-            ws.give(h_TF2, sa_TF, sb_TF, g_TF)
+        ctx.save_for_backward(x_TH, probs_T, h_TF2, sa_TF, sb_TF, g_TF, *weights)
+        ctx.bounds, ctx.n = bounds, n
         return out_TH
 
     @staticmethod
     def backward(ctx, grad_TH):
         x_TH, probs_T, h_TF2, sa_TF, sb_TF, g_TF, *weights = ctx.saved_tensors
-        fc1, fc2, bounds, ws = weights[:ctx.n], weights[ctx.n:], ctx.bounds, ctx.ws
-        ctx.ws = None  # its buffers go back below: a second backward would read reused memory
-        if ws is None:
-            raise RuntimeError("_ExpertsSwiGLU: backward through the same graph twice "
-                               "(retain_graph) is not supported")
+        fc1, fc2, bounds = weights[:ctx.n], weights[ctx.n:], ctx.bounds
         grad_TH = grad_TH.contiguous()
-        dg_TF = ws.take(g_TF.shape, g_TF)
+        dg_TF = torch.empty_like(g_TF)
         d_fc2 = []
         for (r0, r1), w in zip(bounds, fc2):
             torch.mm(grad_TH[r0:r1], w, out=dg_TF[r0:r1])
             d_fc2.append(_weight_grad(w, grad_TH[r0:r1].t(), g_TF[r0:r1]))
-        d_probs = None
-        if ctx.needs_input_grad[1]:  # vecdot, with its product in a kept buffer
-            prod_TF = ws.take(dg_TF.shape, dg_TF)
-            d_probs = torch.mul(dg_TF, sb_TF, out=prod_TF).sum(-1)
-            ws.give(prod_TF)
+        d_probs = torch.linalg.vecdot(dg_TF, sb_TF) if ctx.needs_input_grad[1] else None
         dsb_TF = dg_TF.mul_(probs_T.unsqueeze(-1))
         f = h_TF2.shape[1] // 2
         a_TF, b_TF = h_TF2[:, :f], h_TF2[:, f:]
-        dh_TF2 = ws.take(h_TF2.shape, h_TF2)
+        dh_TF2 = torch.empty_like(h_TF2)
         torch.mul(dsb_TF, sa_TF, out=dh_TF2[:, f:])
         torch.ops.aten.silu_backward.grad_input(dsb_TF.mul_(b_TF), a_TF,
                                                 grad_input=dh_TF2[:, :f])
@@ -122,17 +98,7 @@ class _ExpertsSwiGLU(torch.autograd.Function):
         for (r0, r1), w in zip(bounds, fc1):
             torch.mm(dh_TF2[r0:r1], w, out=dx_TH[r0:r1])
             d_fc1.append(_weight_grad(w, dh_TF2[r0:r1].t(), x_TH[r0:r1]))
-        ws.give(h_TF2, sa_TF, sb_TF, g_TF, dg_TF, dh_TF2)
-        return (dx_TH, d_probs, None, None, None, None, *d_fc1, *d_fc2)
-
-
-def experts_swiglu(x_TH: torch.Tensor, probs_T: torch.Tensor, bounds: list, ws: BufferPool,
-                   fc1: list, fc2: list) -> torch.Tensor:
-    """``_ExpertsSwiGLU`` of rows grouped by expert (``bounds``: each expert's [start, end)
-    rows) with the experts' ``fc1`` and ``fc2`` weights, its buffers from ``ws``."""
-    recorded = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x_TH, probs_T, *fc1, *fc2))
-    return _ExpertsSwiGLU.apply(x_TH, probs_T, bounds, len(fc1), ws, recorded, *fc1, *fc2)
+        return (dx_TH, d_probs, None, None, *d_fc1, *d_fc2)
 
 
 def _weight_grad(weight, a, b):
@@ -160,14 +126,6 @@ class GroupedSequentialMLP(SequentialMLP):
     # backward: 105.9 ms against 97.7 through grouped_mm; 512 x 256: a compute step 5% faster).
     swiglu_cpu_min_weight = 16384
 
-    def workspace(self) -> BufferPool:
-        """This layer's buffers for ``_ExpertsSwiGLU`` (made at first use: the class is also
-        assigned to existing ``SequentialMLP`` objects)."""
-        ws = self.__dict__.get("_workspace")
-        if ws is None:
-            ws = self._workspace = BufferPool()
-        return ws
-
     def _stacked_weights(self):
         """[E, in, out] stacks of the experts' fc1 and fc2 weights, transposed: made in every
         forward that autograd records (their gradients flow back to each expert's parameters; a
@@ -179,12 +137,9 @@ class GroupedSequentialMLP(SequentialMLP):
             return tuple(torch.stack([getattr(e, name).weight for e in self.local_experts])
                          .transpose(1, 2) for name in ("linear_fc1", "linear_fc2"))
         if "w" not in cache:  # one copy: the stack of transposed views is [E, in, out] in order
-            stacks = []  # (into the layer's buffers, given back when the block ends)
-            for name in ("linear_fc1", "linear_fc2"):
-                views = [getattr(e, name).weight.t() for e in self.local_experts]
-                stacks.append(torch.stack(views, out=self.workspace().take(
-                    (len(views), *views[0].shape), views[0])))
-            cache["w"] = tuple(stacks)
+            cache["w"] = tuple(torch.stack([getattr(e, name).weight.t()
+                                            for e in self.local_experts])
+                               for name in ("linear_fc1", "linear_fc2"))
         return cache["w"]
 
     def _grouped_ok(self, x: torch.Tensor) -> bool:
@@ -229,9 +184,10 @@ class GroupedSequentialMLP(SequentialMLP):
         if path == "swiglu_cpu":
             ends = torch.as_tensor(tokens_per_expert).cumsum(0).tolist()
             bounds = list(zip([0] + ends[:-1], ends))
-            return experts_swiglu(x, permuted_probs, bounds, self.workspace(),
-                                  [e.linear_fc1.weight for e in self.local_experts],
-                                  [e.linear_fc2.weight for e in self.local_experts]), None
+            weights = ([e.linear_fc1.weight for e in self.local_experts]
+                       + [e.linear_fc2.weight for e in self.local_experts])
+            return _ExpertsSwiGLU.apply(x, permuted_probs, bounds, len(self.local_experts),
+                                        *weights), None
         counts = torch.as_tensor(tokens_per_expert, device=x.device)
         offsets = counts.cumsum(0).to(torch.int32)
         w1, w2 = self._stacked_weights()
@@ -255,8 +211,8 @@ class GroupedSequentialMLP(SequentialMLP):
 def cached_expert_weights(model):
     """Within the block, forwards without autograd stack each layer's expert weights once and
     reuse them (generation: tens of forwards with unchanged weights; stacking copies all of a
-    layer's experts each time). Costs one copy of the local expert weights while it lasts, in the
-    layers' buffers; the copies go back on exit, so a later weight update is never missed."""
+    layer's experts each time). Costs one copy of the local expert weights while it lasts; the
+    copies are dropped on exit, so a later weight update is never missed."""
     layers = [m for m in model.modules() if isinstance(m, GroupedSequentialMLP)]
     for m in layers:
         m.weight_cache = {}
@@ -264,16 +220,4 @@ def cached_expert_weights(model):
         yield
     finally:
         for m in layers:
-            m.workspace().give(*m.weight_cache.get("w", ()))
             m.weight_cache = None
-
-
-def share_buffers(model, pool: BufferPool) -> None:
-    """Every expert layer of ``model`` takes its buffers (the experts function's, generation's
-    weight stacks) from ``pool``. One pool for the training run's phases (with the local
-    engine's KV cache): what the update gave back serves the rollout and the other way round;
-    separate pools each held their phase's memory through the other phase, whose own buffers
-    then came from fresh pages again (a compute rollout took 15,900 page faults that way)."""
-    for m in model.modules():
-        if isinstance(m, GroupedSequentialMLP):
-            m._workspace = pool

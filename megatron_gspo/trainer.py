@@ -30,7 +30,6 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_gspo import comm, cpu_backend, router_losses, te
 from megatron_gspo.advantages import (group_advantages, informative_groups, overlong_penalty,
                                       select_groups)
-from megatron_gspo.buffers import BufferPool
 from megatron_gspo.checkpoint import CheckpointError, CheckpointManager
 from megatron_gspo.config import JobConfig, job_to_dict
 from megatron_gspo.correction import rollout_weights, weighted_advantages
@@ -40,7 +39,6 @@ from megatron_gspo.data.tokenizer import Tokenizer, load_tokenizer
 from megatron_gspo.drift_probe import DriftProbe
 from megatron_gspo.evaluation import evaluate_records, score_samples
 from megatron_gspo.faults import REQUEUE_MARKER, NonFiniteGuard, StopRequested, StopSignals
-from megatron_gspo.grouped_experts import share_buffers
 from megatron_gspo.hf_qwen3moe import SeededTensors, load_hf_weights
 from megatron_gspo.metrics import RunLogger
 from megatron_gspo.model import build_model
@@ -580,9 +578,7 @@ def setup(job: JobConfig) -> Run:
     gpt = build_model(m, ctx, moe_enable_routing_replay=routes_needed)
     replay = RoutingReplay(gpt) if routes_needed else None
     ddp = wrap_ddp(gpt, ctx)
-    buffers = BufferPool()  # the phases' large temporaries, kept between them
-    share_buffers(gpt, buffers)
-    engine = make_engine(job, gpt, ctx, replay, tokenizer, buffers)
+    engine = make_engine(job, gpt, ctx, replay, tokenizer)
     logger = RunLogger(run_dir, enabled=ctx.rank == 0, tensorboard=job.logging.tensorboard,
                        progress=job.logging.progress, total_steps=job.trainer.steps)
     run = Run(job=job, ctx=ctx, tokenizer=tokenizer, gpt=gpt, ddp=ddp, engine=engine, replay=replay,
@@ -635,15 +631,14 @@ def load_data(job: JobConfig):
     return PromptDataset([], seed=job.seed, records=records), held
 
 
-def make_engine(job: JobConfig, gpt, ctx, replay, tokenizer,
-                buffers: Optional[BufferPool] = None):
+def make_engine(job: JobConfig, gpt, ctx, replay, tokenizer):
     if job.rollout.engine == "local":
         record = replay if (job.replay.mode == "r3" or job.logging.drift) else None
         # Expert parallelism spans data-parallel ranks, which generate different prompts: the
         # whole world decodes in lockstep then.
         lockstep = torch.distributed.group.WORLD if ctx.ep > 1 and ctx.dp > 1 else None
         return LocalEngine(gpt, ctx, replay=record, pad_id=tokenizer.pad_id,
-                           lockstep_group=lockstep, buffers=buffers)
+                           lockstep_group=lockstep)
     r, m = job.rollout, job.model
     moe_layers = [i for i, x in enumerate(m.moe_layer_pattern) if x]
     direct = (ServerLayout(m, tp=r.sglang_gpus_per_server, ep=r.sglang_ep_per_server)

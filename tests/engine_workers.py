@@ -202,25 +202,3 @@ def decode_path_job(model_overrides):
 
     cfg, ctx, gpt, replay, engine = _setup({}, **model_overrides)
     return engine.direct_decode, unsupported(gpt, ctx)
-
-
-def kv_buffers_job(prompts):
-    """Three sampled rollouts of the same prompts and seed (rows stop at different steps, so the
-    batch compacts) through the direct decoding step: with a new engine's empty pool, reusing
-    the KV buffers the first gave back, and after every kept buffer was filled with NaN. Returns
-    whether it decoded directly, each rollout's tokens and log-probs, the kept buffers' addresses
-    after each, and the rows of the last one's decoding steps."""
-    from megatron_gspo.rollout.types import SamplingParams
-
-    cfg, ctx, gpt, replay, engine = _setup({})
-    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=7,
-                            stop_token_ids=tuple(range(0, 128, 5)))
-    rollouts, kept = [], []
-    for poison in (False, False, True):
-        if poison:
-            for buf in engine.kv_buffers.free:
-                buf.fill_(float("nan"))
-        samples = engine.generate(prompts, 4, params)
-        rollouts.append([(s.response_ids, s.logprobs_R.tolist()) for s in samples])
-        kept.append(sorted(b.data_ptr() for b in engine.kv_buffers.free))
-    return engine.direct_decode, rollouts, kept, list(engine.decode_rows)

@@ -4,8 +4,8 @@ import pytest
 
 from tests.distributed import run_layouts
 from tests.engine_workers import (big_batch_job, cache_vs_recompute_job, decode_path_job,
-                                  direct_decode_job, engine_vs_trainer_job, kv_buffers_job,
-                                  rotated_cache_job, stop_job)
+                                  direct_decode_job, engine_vs_trainer_job, rotated_cache_job,
+                                  stop_job)
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [1]]
 
@@ -29,13 +29,13 @@ CASES = [
 def runs():
     """Every engine job, one spawn per world size: {"layouts": per case, per rank results,
     "stop", "cache", "big_batch", "rotated", "direct", "direct_dense", "path_shared",
-    "path_sigmoid", "path_width", "kv_buffers"}."""
+    "path_sigmoid", "path_width"}."""
     out = {"layouts": [None] * len(CASES)}
     for world in sorted({w for w, _, _ in CASES}):
         index = [i for i, (w, _, _) in enumerate(CASES) if w == world]
         cases = [(engine_vs_trainer_job, (CASES[i][1], PROMPTS, CASES[i][2])) for i in index]
         extra = ["stop", "cache", "big_batch", "rotated", "direct", "direct_dense",
-                 "path_shared", "path_sigmoid", "path_width", "kv_buffers"] if world == 1 else []
+                 "path_shared", "path_sigmoid", "path_width"] if world == 1 else []
         cases += [(stop_job, (PROMPTS,)), (cache_vs_recompute_job, (PROMPTS, 8)),
                   (big_batch_job, (64, 6)), (rotated_cache_job, (PROMPTS,)),
                   (direct_decode_job, (PROMPTS, {})),
@@ -44,8 +44,7 @@ def runs():
                   (decode_path_job, (dict(shared_expert_ffn_hidden_size=32),)),
                   (decode_path_job, (dict(router_score_function="sigmoid"),)),
                   # an expert width grouped_mm cannot take (the experts loop instead)
-                  (decode_path_job, (dict(moe_ffn_hidden_size=30),)),
-                  (kv_buffers_job, (PROMPTS,))][:len(extra)]
+                  (decode_path_job, (dict(moe_ffn_hidden_size=30),))][:len(extra)]
         results = run_layouts(world, cases)
         for i, per_rank in zip(index, results):
             out["layouts"][i] = per_rank
@@ -131,18 +130,6 @@ def test_options_decode_step_does_not_mirror_keep_the_models_forward(runs):
     for key in ("path_shared", "path_sigmoid", "path_width"):
         direct, why = runs[key]
         assert not direct and why == "an MoE option this step does not mirror"
-
-
-def test_kv_cache_buffers_are_kept_and_their_old_contents_change_nothing(runs):
-    """The direct path's KV caches go back to the engine's pool after a rollout and the next
-    rollouts reuse them (the same buffers), and what they held before, even NaN everywhere,
-    changes no token or log-prob: positions are written before they are read, and a compacted
-    or fanned-out cache is zero past what was copied."""
-    direct, rollouts, kept, decode_rows = runs["kv_buffers"]
-    assert direct
-    assert rollouts[0] == rollouts[1] == rollouts[2]
-    assert kept[0] and kept[1] == kept[2]
-    assert decode_rows[-1] < 4 * len(PROMPTS)  # the batch compacted
 
 
 def test_batch_of_64_prompts_is_seeded_and_ordered(runs):

@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from megatron_gspo.buffers import BufferPool
 from megatron_gspo.grouped_experts import GroupedSequentialMLP
 from megatron_gspo.layers import (RMSNorm, RotatedCacheSelfAttention, SDPAttention,
                                   _cos_sin, _rotate, decode_attention)
@@ -114,27 +113,23 @@ def _dense_mlp(mlp: MLP, x_BH: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(a) * b, mlp.linear_fc2.weight)
 
 
-def _cache(icx, layer, b_d: tuple, like: torch.Tensor, buffers: Optional[BufferPool]):
+def _cache(icx, layer, b_d: tuple, like: torch.Tensor):
     """This layer's static KV cache buffers, made as megatron's attention makes them
-    ([max positions, max rows, groups, head dim], uninitialised) when the prefill runs here,
-    from ``buffers`` if given."""
+    ([max positions, max rows, groups, head dim]) when the prefill runs here."""
     if layer.layer_number not in icx.key_value_memory_dict:
         shape = (icx.max_sequence_length, icx.max_batch_size) + b_d
-        icx.key_value_memory_dict[layer.layer_number] = tuple(
-            like.new_empty(shape) if buffers is None else buffers.take(shape, like)
-            for _ in range(2))
+        icx.key_value_memory_dict[layer.layer_number] = (like.new_empty(shape),
+                                                         like.new_empty(shape))
     return icx.key_value_memory_dict[layer.layer_number]
 
 
-def decode_step(gpt, icx, tokens_BT: torch.Tensor, offset: int, masked_B1TS, freqs_S11D, *,
-                buffers: Optional[BufferPool] = None):
+def decode_step(gpt, icx, tokens_BT: torch.Tensor, offset: int, masked_B1TS, freqs_S11D):
     """Logits ``[B, 1, V]`` at the last of ``T`` tokens per row fed at positions ``offset`` ..
     ``offset + T - 1`` (the cache holds ``offset`` positions of these rows; ``masked``: True at
     hidden keys), and the top-k expert ids per MoE layer of every token fed, in megatron's
     ``[s, b]`` order. Writes the tokens' keys and values into the cache (making it at the
     prefill), as the model's forward does. ``T`` is 1 when decoding, the padded prompt length
-    at the prefill. Call inside ``cached_expert_weights``. ``buffers``: where the prefill takes
-    its KV cache from."""
+    at the prefill. Call inside ``cached_expert_weights``."""
     b, t = tokens_BT.shape
     x = gpt.embedding.word_embeddings.weight.index_select(0, tokens_BT.t().reshape(-1))  # [T*B, H]
     cos, sin = _cos_sin(freqs_S11D[offset:offset + t], x.dtype)  # [T, 1, 1, D]
@@ -149,7 +144,7 @@ def decode_step(gpt, icx, tokens_BT: torch.Tensor, offset: int, masked_B1TS, fre
         k, v = qkv[..., n // g * d:(n // g + 1) * d], qkv[..., (n // g + 1) * d:]
         q = _rotate(_norm(q, attn.q_layernorm), cos, sin)
         k = _rotate(_norm(k, attn.k_layernorm), cos, sin)
-        keys, values = _cache(icx, layer, (g, d), k, buffers)
+        keys, values = _cache(icx, layer, (g, d), k)
         keys[offset:offset + t, :b] = k
         values[offset:offset + t, :b] = v
         k_BGSD = keys[:offset + t, :b].permute(1, 2, 0, 3)

@@ -25,7 +25,6 @@ from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
 from megatron_gspo import comm
-from megatron_gspo.buffers import BufferPool
 from megatron_gspo.rollout import decode_step
 from megatron_gspo.grouped_experts import cached_expert_weights
 from megatron_gspo.layers import context_parallel_disabled
@@ -97,46 +96,32 @@ def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator=None,
     return token, logq.gather(-1, token[:, None])[:, 0]
 
 
-def _cache_rows(icx, index: torch.Tensor, buffers: Optional[BufferPool] = None) -> None:
+def _cache_rows(icx, index: torch.Tensor) -> None:
     """The static KV cache's batch rows ``index`` (of the current ones, repeats allowed), in that
-    order: the positions written so far are copied, the rest of each buffer is zeros. With
-    ``buffers``, the new cache comes from that pool and the old one goes back to it."""
+    order: the positions written so far are copied, the rest of each buffer is zeros."""
     written = icx.sequence_len_offset
     for layer, memory in list(icx.key_value_memory_dict.items()):
         picked = []
         for m in memory:  # key, value: [S, rows, ...]
-            shape = (m.shape[0], len(index), *m.shape[2:])
-            if buffers is None:
-                out = m.new_zeros(shape)
-            else:
-                out = buffers.take(shape, m)
-                out[written:].zero_()
-            torch.index_select(m[:written], 1, index.to(m.device), out=out[:written])
+            out = m.new_zeros(m.shape[0], len(index), *m.shape[2:])
+            out[:written] = m[:written].index_select(1, index.to(m.device))
             picked.append(out)
         icx.key_value_memory_dict[layer] = tuple(picked)
-        if buffers is not None:
-            buffers.give(*memory)
 
 
 class LocalEngine:
     """Generates with ``gpt`` in this process; weight updates are the trainer's own, in place."""
 
     def __init__(self, gpt, ctx: ParallelContext, *, replay=None, pad_id: int = 0,
-                 lockstep_group=None, buffers: Optional[BufferPool] = None):
+                 lockstep_group=None):
         """``lockstep_group``: ranks that generate different prompts but share collectives inside
         the model (expert parallelism across data-parallel ranks): they pad to one prompt length
-        and decode until every one of them has finished. ``buffers``: the pool the direct
-        decoding's KV caches come from and go back to between rollouts (the training run's
-        shared one; an own one if not given)."""
+        and decode until every one of them has finished."""
         self.gpt, self.ctx, self.replay, self.pad_id = gpt, ctx, replay, pad_id
         self.lockstep = lockstep_group
         # The prefill and the decoding steps through ``decode_step`` where it mirrors the model
         # (a whole model on one CPU rank), else through the model's forward.
         self.direct_decode = decode_step.unsupported(gpt, ctx) is None
-        self._kv: Optional[BufferPool] = None  # the pool the generation in progress uses
-        # The direct path's KV caches, kept between rollouts (fresh ones faulted in about 6,500
-        # pages per compute rollout; zero-filling them alone took 32 ms)
-        self.kv_buffers = buffers if buffers is not None else BufferPool()
 
     def health(self) -> bool:
         return True
@@ -159,7 +144,7 @@ class LocalEngine:
         if self.direct_decode:
             logits, routes = decode_step.decode_step(
                 self.gpt, icx, tokens_BS.to(device), icx.sequence_len_offset, mask.to(device),
-                self.gpt.rotary_pos_emb(icx.max_sequence_length), buffers=self._kv)
+                self.gpt.rotary_pos_emb(icx.max_sequence_length))
             if recorded is not None:
                 recorded.forwards.append(routes)
             return logits
@@ -221,8 +206,6 @@ class LocalEngine:
             seeds_B = torch.tensor(list(row_seeds), dtype=torch.int64, device=self.ctx.device)
 
         icx = StaticInferenceContext(max_batch_size=b, max_sequence_length=s_len)
-        # the direct path makes the caches and keeps them; the model's attention makes its own
-        self._kv = self.kv_buffers if self.direct_decode else None
         was_training = self.gpt.training
         self.gpt.eval()
         # Decoding feeds one token per row, which sequence parallelism cannot split: as megatron's
@@ -276,10 +259,6 @@ class LocalEngine:
                 set_model_to_sequence_parallel(self.gpt, True, exclude_modules=[BaseMoELayer])
             if was_training:
                 self.gpt.train()
-            if self._kv is not None:  # the caches, for the next rollout
-                for memory in icx.key_value_memory_dict.values():
-                    self._kv.give(*memory)
-                icx.key_value_memory_dict.clear()
         self.decode_rows = [len(f) for f in fed]  # rows fed per decoding forward (for tests)
         routes = (self._routes(recorded.forwards, of_row, p_len) if self.replay is not None
                   else None)
@@ -327,14 +306,15 @@ class LocalEngine:
         return int(comm.reduce_values([count], device=self.ctx.device, group=self.lockstep,
                                       op="max", dtype=torch.int64)[0])
 
-    def _compact(self, icx, batch, finished, size: int) -> torch.Tensor:
+    @staticmethod
+    def _compact(icx, batch, finished, size: int) -> torch.Tensor:
         """Shrink the decoding batch to ``size`` rows: the unfinished ones first (in order), then
         finished ones if ``size`` asks for more (lockstep); the KV cache keeps their entries.
         Returns the kept places of the current batch."""
         done = finished[batch]
         keep = torch.cat([(~done).nonzero()[:, 0], done.nonzero()[:, 0]])[:size]
         keep = keep.sort().values
-        _cache_rows(icx, keep, self._kv)
+        _cache_rows(icx, keep)
         return keep
 
     def _agree(self, p_len: int, b: int) -> int:
@@ -349,12 +329,13 @@ class LocalEngine:
                              f"has {b}, another {most if most != b else -fewest}")
         return int(longest)
 
-    def _to_rows(self, icx, logits, of_row: torch.Tensor, samples_per_prompt: int):
+    @staticmethod
+    def _to_rows(icx, logits, of_row: torch.Tensor, samples_per_prompt: int):
         """After the prefill of each prompt once: its KV cache entries and last logits copied to
         the rows of its samples."""
         if samples_per_prompt == 1:
             return logits
-        _cache_rows(icx, of_row, self._kv)
+        _cache_rows(icx, of_row)
         return None if logits is None else logits.index_select(0, of_row.to(logits.device))
 
     @staticmethod

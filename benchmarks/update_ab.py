@@ -1,0 +1,157 @@
+"""One change to the update phase measured inside one trainer run: its two variants alternate
+update by update, and each update is compared with its neighbour of the other variant.
+
+On the 2-core machines this project is measured on, the speed drifts by 10-30% within minutes
+(the 1024^3 matmul has measured anywhere from 54 to 190 GFLOP/s in one hour), so two separate
+runs cannot resolve a change of a few percent. Here both variants run in one process on the same
+batches: within each RL step the updates alternate ``A B A B`` (``B A B A`` in every other step,
+so that neither variant always takes the step's first, on-policy update), and each pair of
+neighbouring updates gives one ratio of their times per fed token. The median ratio and its
+quartiles are printed with each variant's median time per token and page faults per update.
+Only the updates alternate: the rest of each step runs as the code is now. What one process
+cannot show (a change to how much memory the process holds between phases, say) needs whole
+runs as well.
+
+Changes (``--change``), each the code it replaced (before) against the code now (after):
+
+- ``experts_function``: every expert layer through ``grouped_mm`` over its stacked weights
+  (``swiglu_cpu_min_weight`` out of reach) against the CPU SwiGLU function;
+- ``short_buckets``: every packed-attention bucket through SDPA's kernel (``matmul_max_keys``
+  0) against short buckets as batched matmuls (``layers._MatmulBuckets``).
+
+    python benchmarks/update_ab.py --change experts_function --shape compute --steps 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from profile_rl_step import job_dict  # noqa: E402
+from rl_step_vs_trl import SHAPE_FIELDS, SHAPES  # noqa: E402
+
+
+def experts_function(run):
+    """(before, after) setters: the expert layers through grouped_mm, or the CPU function."""
+    from megatron_gspo.grouped_experts import GroupedSequentialMLP
+
+    layers = [m for m in run.gpt.modules() if isinstance(m, GroupedSequentialMLP)]
+
+    def before():
+        for m in layers:
+            m.swiglu_cpu_min_weight = float("inf")
+
+    def after():
+        for m in layers:
+            m.__dict__.pop("swiglu_cpu_min_weight", None)  # the class's threshold
+
+    return before, after
+
+
+def short_buckets(run):
+    """(before, after) setters: every packed-attention bucket through SDPA, or the default."""
+    from megatron_gspo import layers
+
+    now = layers.packed_causal_attention
+    sdpa_only = functools.partial(now, matmul_max_keys=0)
+
+    def before():
+        layers.packed_causal_attention = sdpa_only
+
+    def after():
+        layers.packed_causal_attention = now
+
+    return before, after
+
+
+CHANGES = {"experts_function": experts_function, "short_buckets": short_buckets}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--change", choices=sorted(CHANGES), required=True)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="compute")
+    for field in SHAPE_FIELDS:
+        p.add_argument(f"--{field.replace('_', '-')}", type=int, default=None)
+    p.add_argument("--steps", type=int, default=12, help="measured RL steps (after one warm-up)")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--minibatches", type=int, default=4)
+    p.add_argument("--micro-batch-size", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1234)
+    args = p.parse_args()
+    for field, value in SHAPES[args.shape].items():
+        if getattr(args, field) is None:
+            setattr(args, field, value)
+    if args.minibatches % 2:
+        p.error("--minibatches must be even (the updates of a step are compared in pairs)")
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    from megatron_gspo import trainer
+    from megatron_gspo.config import job_from_dict
+
+    run = trainer.setup(job_from_dict(job_dict(args, tempfile.mkdtemp(prefix="update_ab_"))))
+    trainer.warm_up(run)
+    setters = CHANGES[args.change](run)
+    trainer.rl_step(run, 1)  # warm-up, with the change
+    timed = {0: [], 1: []}  # variant -> (seconds per fed token, page faults) per update
+    order = []
+    policy_update = trainer.policy_update
+
+    def alternating(ddp, optimizer, mbs, *a, **k):
+        variant = order.pop(0)
+        setters[variant]()
+        tokens = sum(int(mb.tokens_BS.numel()) for mb in mbs)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0 = time.perf_counter()
+        result = policy_update(ddp, optimizer, mbs, *a, **k)
+        seconds = time.perf_counter() - t0
+        setters[1]()  # the rest of the step (rollout included) as the code is now
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        timed[variant].append((seconds / tokens, faults))
+        return result
+
+    trainer.policy_update = alternating
+    try:
+        for step in range(2, args.steps + 2):
+            first = step % 2
+            order[:] = [first, 1 - first] * (args.minibatches // 2)
+            trainer.rl_step(run, step)
+    finally:
+        trainer.policy_update = policy_update
+        setters[1]()
+    ratios = [a / b for (a, _), (b, _) in zip(timed[0], timed[1])]
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    print(f"update phase, shape {args.shape}, {args.prompts} x {args.group_size}, "
+          f"{args.minibatches} updates per step, {args.threads} threads, {args.steps} RL steps: "
+          f"{len(ratios)} pairs of neighbouring updates")
+    for variant, name in ((0, "before"), (1, "after")):
+        per_token = statistics.median(s for s, _ in timed[variant])
+        faults = statistics.median(f for _, f in timed[variant])
+        print(f"  {name:7s} {1e6 * per_token:7.1f} us per fed token   page faults per update "
+              f"{faults:8.0f}")
+    print(f"{args.change}: after over before, time per token: speed-up {statistics.median(ratios):.3f}x "
+          f"(median of the pairs; quartiles {q1:.3f}-{q3:.3f}x)")
+    run.logger.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -168,12 +168,12 @@ def attribute(events) -> tuple[dict, dict, dict]:
     return ops, phase_wall, phase_ops
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+def add_run_args(p: argparse.ArgumentParser, *, shape: str, steps: int, steps_help: str) -> None:
+    """The options of one in-process trainer run (``job_dict``): shape, steps, batch, threads."""
+    p.add_argument("--shape", choices=sorted(SHAPES), default=shape)
     for field in SHAPE_FIELDS:
         p.add_argument(f"--{field.replace('_', '-')}", type=int, default=None)
-    p.add_argument("--steps", type=int, default=3, help="profiled RL steps (after one warm-up)")
+    p.add_argument("--steps", type=int, default=steps, help=steps_help)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=None)
@@ -181,15 +181,25 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
+
+
+def fill_shape(args) -> None:
+    """The chosen shape's fields where no option set them."""
+    for field, value in SHAPES[args.shape].items():
+        if getattr(args, field) is None:
+            setattr(args, field, value)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    add_run_args(p, shape="tiny", steps=3, steps_help="profiled RL steps (after one warm-up)")
     p.add_argument("--top", type=int, default=12, help="also list the N costliest operators")
     p.add_argument("--detail", default=None, choices=KINDS,
                    help="also list the operators run under one kind of module")
     p.add_argument("--detail-phase", default=None, choices=PHASES,
                    help="with --detail: only in this phase")
     args = p.parse_args()
-    for field, value in SHAPES[args.shape].items():
-        if getattr(args, field) is None:
-            setattr(args, field, value)
+    fill_shape(args)
 
     import logging
     import warnings

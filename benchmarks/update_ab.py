@@ -39,8 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from profile_rl_step import job_dict  # noqa: E402
-from rl_step_vs_trl import SHAPE_FIELDS, SHAPES  # noqa: E402
+from profile_rl_step import add_run_args, fill_shape, job_dict  # noqa: E402
 
 
 def experts_function(run):
@@ -82,21 +81,9 @@ CHANGES = {"experts_function": experts_function, "short_buckets": short_buckets}
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--change", choices=sorted(CHANGES), required=True)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="compute")
-    for field in SHAPE_FIELDS:
-        p.add_argument(f"--{field.replace('_', '-')}", type=int, default=None)
-    p.add_argument("--steps", type=int, default=12, help="measured RL steps (after one warm-up)")
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--minibatches", type=int, default=4)
-    p.add_argument("--micro-batch-size", type=int, default=32)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=1234)
+    add_run_args(p, shape="compute", steps=12, steps_help="measured RL steps (after one warm-up)")
     args = p.parse_args()
-    for field, value in SHAPES[args.shape].items():
-        if getattr(args, field) is None:
-            setattr(args, field, value)
+    fill_shape(args)
     if args.minibatches % 2:
         p.error("--minibatches must be even (the updates of a step are compared in pairs)")
 

@@ -190,6 +190,25 @@ def fill_shape(args) -> None:
             setattr(args, field, value)
 
 
+def start_run(args, prefix: str):
+    """Our trainer in this process on ``args``' shape and threads (``job_dict``), Megatron's
+    logging and warnings quieted, warmed up (no RL step taken yet)."""
+    import logging
+    import warnings
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    from megatron_gspo import trainer
+    from megatron_gspo.config import job_from_dict
+
+    run = trainer.setup(job_from_dict(job_dict(args, tempfile.mkdtemp(prefix=prefix))))
+    trainer.warm_up(run)
+    return run
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     add_run_args(p, shape="tiny", steps=3, steps_help="profiled RL steps (after one warm-up)")
@@ -201,20 +220,11 @@ def main() -> None:
     args = p.parse_args()
     fill_shape(args)
 
-    import logging
-    import warnings
-
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    torch.set_num_threads(args.threads)
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", category=UserWarning)
     from megatron_gspo import trainer
-    from megatron_gspo.config import job_from_dict
 
-    run = trainer.setup(job_from_dict(job_dict(args, tempfile.mkdtemp(prefix="profile_"))))
-    trainer.warm_up(run)
+    run = start_run(args, "profile_")
     trainer.rl_step(run, 1)  # warm-up
     instrument(run)
     plain = []

@@ -26,20 +26,17 @@ from __future__ import annotations
 
 import argparse
 import functools
-import logging
 import os
 import resource
 import statistics
 import sys
-import tempfile
 import time
-import warnings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from profile_rl_step import add_run_args, fill_shape, job_dict  # noqa: E402
+from profile_rl_step import add_run_args, fill_shape, start_run  # noqa: E402
 
 
 def experts_function(run):
@@ -87,16 +84,9 @@ def main() -> None:
     if args.minibatches % 2:
         p.error("--minibatches must be even (the updates of a step are compared in pairs)")
 
-    import torch
-
-    torch.set_num_threads(args.threads)
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", category=UserWarning)
     from megatron_gspo import trainer
-    from megatron_gspo.config import job_from_dict
 
-    run = trainer.setup(job_from_dict(job_dict(args, tempfile.mkdtemp(prefix="update_ab_"))))
-    trainer.warm_up(run)
+    run = start_run(args, "update_ab_")
     setters = CHANGES[args.change](run)
     trainer.rl_step(run, 1)  # warm-up, with the change
     timed = {0: [], 1: []}  # variant -> (seconds per fed token, page faults) per update

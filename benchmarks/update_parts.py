@@ -19,19 +19,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
-import warnings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from profile_rl_step import add_run_args, fill_shape, job_dict  # noqa: E402
+from profile_rl_step import add_run_args, fill_shape, start_run  # noqa: E402
 
 
 class Timers:
@@ -102,16 +99,9 @@ def main() -> None:
     args = p.parse_args()
     fill_shape(args)
 
-    import torch
-
-    torch.set_num_threads(args.threads)
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", category=UserWarning)
     from megatron_gspo import trainer
-    from megatron_gspo.config import job_from_dict
 
-    run = trainer.setup(job_from_dict(job_dict(args, tempfile.mkdtemp(prefix="update_parts_"))))
-    trainer.warm_up(run)
+    run = start_run(args, "update_parts_")
     trainer.rl_step(run, 1)  # warm-up
     timers = Timers()
     instrument(run, timers)

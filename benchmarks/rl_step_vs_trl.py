@@ -28,7 +28,10 @@ Shapes (``--shape``; ``--hidden``, ``--layers``, ``--heads``, ``--kv-groups``, `
   width 256 (about 19M parameters), 24 new tokens.
 
 It also prints the machine's fp32 matmul rate on the same threads, and our update phase's model
-FLOP rate (6 x active parameters x tokens fed, over the phase's time) as a share of it.
+FLOP rate (6 x active parameters x tokens fed, over the phase's time) as a share of it. Next to the
+matmul rate it prints the time of one small parallel operator (an add of two 64k fp32 vectors),
+the fixed cost that each of the update's thousands of small operators pays and that the 1024^3
+product does not show: on a shared 2-core machine it can move by half while that rate does not.
 
     python benchmarks/rl_step_vs_trl.py --shape tiny       # 8 RL steps, 16 prompts x 8
     python benchmarks/rl_step_vs_trl.py --shape compute
@@ -106,6 +109,22 @@ def matmul_gflops(threads: int, n: int = 1024, repeats: int = 9) -> float:
         a @ b
         times.append(time.perf_counter() - t0)
     return 2 * n ** 3 / statistics.median(times) / 1e9
+
+
+def small_op_us(threads: int, n: int = 65536, repeats: int = 400) -> float:
+    """Microseconds per add of two ``n``-element fp32 vectors on ``threads`` threads (above torch's
+    grain size, so one OpenMP region each), median of 5 batches of ``repeats``."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, out = torch.randn(n), torch.empty(n)
+    batches = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            torch.add(a, a, out=out)
+        batches.append((time.perf_counter() - t0) / repeats * 1e6)
+    return statistics.median(batches[1:])
 
 
 def model_fields(args) -> dict:
@@ -301,7 +320,8 @@ def main() -> None:
         print(json.dumps(run_trl(args)))
         return
     if args.path == "matmul":
-        print(json.dumps({"gflops": matmul_gflops(args.threads)}))
+        print(json.dumps({"gflops": matmul_gflops(args.threads),
+                          "small_op_us": small_op_us(args.threads)}))
         return
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
@@ -339,7 +359,8 @@ def one_round(args, subprocess_path, paths):
     """The stacks of ``paths`` once each, in that order, and the machine's matmul rate before
     and after; prints the round's table and returns TRL's median step time over ours (None
     without both)."""
-    before = subprocess_path("matmul")["gflops"]
+    machine_before = subprocess_path("matmul")
+    before = machine_before["gflops"]
     results, extra = {}, {}
     for path in paths:
         t0 = time.perf_counter()
@@ -353,7 +374,8 @@ def one_round(args, subprocess_path, paths):
 
     # The machine's rate drifts between runs (shared cores): measured before and after both
     # stacks, and the update's share taken against the higher one.
-    after = subprocess_path("matmul")["gflops"]
+    machine_after = subprocess_path("matmul")
+    after = machine_after["gflops"]
     peak = max(before, after)
     batch = args.prompts * args.group_size
     active = active_params(args)
@@ -369,7 +391,8 @@ def one_round(args, subprocess_path, paths):
           f"{args.expert_width}), untied, {active / 1e6:.2f}M active parameters per token; "
           f"task reverse, exact-match reward")
     print(f"machine: fp32 matmul (1024^3, {args.threads} threads) {before:.1f} GFLOP/s before "
-          f"the runs, {after:.1f} after")
+          f"the runs, {after:.1f} after; one small operator (add of 64k fp32) "
+          f"{machine_before['small_op_us']:.1f} us before, {machine_after['small_op_us']:.1f} after")
     if "trl" in extra:
         print(f"trl: attention {extra['trl'].get('attn')}, experts {extra['trl'].get('experts')}")
     base = results.get("trl")

@@ -17,7 +17,9 @@ Changes (``--change``), each the code it replaced (before) against the code now 
 - ``experts_function``: every expert layer through ``grouped_mm`` over its stacked weights
   (``swiglu_cpu_min_weight`` out of reach) against the CPU SwiGLU function;
 - ``short_buckets``: every packed-attention bucket through SDPA's kernel (``matmul_max_keys``
-  0) against short buckets as batched matmuls (``layers._MatmulBuckets``).
+  0) against short buckets as batched matmuls (``layers._MatmulBuckets``);
+- ``experts_kernel``: the CPU SwiGLU function's Python loop over the experts (MKL splitting each
+  product over the threads) against its C++ kernel (whole experts per OpenMP thread).
 
     python benchmarks/update_ab.py --change experts_function --shape compute --steps 12
 """
@@ -72,7 +74,29 @@ def short_buckets(run):
     return before, after
 
 
-CHANGES = {"experts_function": experts_function, "short_buckets": short_buckets}
+def experts_kernel(run):
+    """(before, after) setters: the CPU SwiGLU function's loop (MKL splitting each product over
+    the threads), or its C++ kernel (whole experts per thread)."""
+    from megatron_gspo import cpu_kernels
+    from megatron_gspo.grouped_experts import GroupedSequentialMLP
+
+    if cpu_kernels.experts_swiglu() is None:
+        raise SystemExit("experts_kernel: the C++ kernel did not build (see the log line above)")
+    layers = [m for m in run.gpt.modules() if isinstance(m, GroupedSequentialMLP)]
+
+    def before():
+        for m in layers:
+            m.cpu_kernel = False
+
+    def after():
+        for m in layers:
+            m.cpu_kernel = True
+
+    return before, after
+
+
+CHANGES = {"experts_function": experts_function, "short_buckets": short_buckets,
+           "experts_kernel": experts_kernel}
 
 
 def main() -> None:

@@ -53,6 +53,10 @@ class ModelConfig:
     # Without Transformer Engine: a layer's local experts as two grouped matmuls
     # (megatron_gspo/grouped_experts.py) instead of Megatron's loop over them.
     grouped_experts: bool = True
+    # On CPU, fp32 SwiGLU experts through a C++ kernel built at first use (whole experts per
+    # OpenMP thread; megatron_gspo/cpu_kernels.py); where it cannot be built, or with false, the
+    # PyTorch loop over the experts runs instead (same results, slower).
+    cpu_experts_kernel: bool = True
 
     @property
     def is_moe(self) -> bool:

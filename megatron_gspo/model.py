@@ -139,6 +139,9 @@ def build_model(model: ModelConfig, ctx: ParallelContext, *, use_grouped_experts
         rotary_percent=1.0,
         pg_collection=ctx.pg,
     )
+    for m in gpt.modules():
+        if isinstance(m, GroupedSequentialMLP):
+            m.cpu_kernel = model.cpu_experts_kernel
     return gpt.to(ctx.device)
 
 

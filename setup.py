@@ -9,6 +9,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["megatron_gspo", "megatron_gspo.*", "moe", "moe.*"]),
+    # C++ sources that megatron_gspo/cpu_kernels.py builds at first use
+    package_data={"megatron_gspo": ["csrc/*.cpp"]},
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16.1",
@@ -25,6 +27,7 @@ setup(
         # neither is a declared megatron-core dependency.
         "psutil>=5.9",
         "hydra-submitit-launcher>=1.2",  # cluster=slurm sweeps (submitit only talks to sbatch)
+        "ninja>=1.11",  # builds the CPU kernels (megatron_gspo/cpu_kernels.py) at first use
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]>=2.4"],

@@ -1,6 +1,7 @@
 """Forward + backward of a fine-grained MoE with the local experts as grouped matmuls vs Megatron's
 SequentialMLP loop (same weights, same tokens), one rank, CPU: through ``grouped_mm`` over the
-stacked weights and through the CPU function (``_ExpertsSwiGLU``), each forced; the default takes
+stacked weights and through the CPU function (``_ExpertsSwiGLU``, its PyTorch loop and its C++
+kernel), each forced; the default takes
 the function from ``GroupedSequentialMLP.swiglu_cpu_min_weight`` fc1 weight elements per expert.
 
     python benchmarks/grouped_experts.py [--experts 64] [--top-k 8] [--tokens 2048] [--repeats 7]
@@ -31,7 +32,8 @@ from megatron_gspo.parallel import destroy_parallel, init_parallel  # noqa: E402
 
 def measure(grouped: bool, args, *, path: str = "") -> tuple:
     """(median seconds of a forward + backward, whether the default takes the CPU function for
-    these experts); ``path`` ("grouped_mm" or "function") forces the grouped experts' path."""
+    these experts); ``path`` ("grouped_mm", "function" through its C++ kernel, or
+    "function_loop" through its PyTorch loop) forces the grouped experts' path."""
     cfg = ModelConfig(vocab_size=128, hidden_size=args.hidden, num_layers=4, num_attention_heads=4,
                       num_query_groups=2, head_dim=16, ffn_hidden_size=128,
                       moe_ffn_hidden_size=args.expert_width, num_experts=args.experts,
@@ -42,7 +44,8 @@ def measure(grouped: bool, args, *, path: str = "") -> tuple:
         experts = [m for m in gpt.modules() if isinstance(m, GroupedSequentialMLP)]
         default_function = all(m.experts_large_enough() for m in experts)
         for m in experts:
-            m.swiglu_cpu_min_weight = 0 if path == "function" else float("inf")
+            m.swiglu_cpu_min_weight = 0 if path.startswith("function") else float("inf")
+            m.cpu_kernel = path == "function"
         g = torch.Generator().manual_seed(0)
         rows = args.tokens // 64
         tokens = torch.randint(0, 128, (rows, 64), generator=g)
@@ -70,13 +73,15 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     (loop, _), (stacked, _) = measure(False, args), measure(True, args, path="grouped_mm")
     function, default_function = measure(True, args, path="function")
+    function_loop, _ = measure(True, args, path="function_loop")
     default = "function" if default_function else "grouped_mm"
     print(f"MoE of 4 layers, hidden {args.hidden}, {args.experts} experts of width "
           f"{args.expert_width}, top-{args.top_k}; {args.tokens} tokens; forward + backward, "
           f"median of {args.repeats}, {torch.get_num_threads()} threads")
     print(f"SequentialMLP loop   {loop * 1e3:8.1f} ms")
     print(f"grouped_mm, stacked  {stacked * 1e3:8.1f} ms")
-    print(f"CPU function         {function * 1e3:8.1f} ms")
+    print(f"CPU function, loop   {function_loop * 1e3:8.1f} ms")
+    print(f"CPU function, kernel {function * 1e3:8.1f} ms")
     chosen = function if default == "function" else stacked
     print(f"grouped ({default}, the default here) vs loop: {loop / chosen:.2f}x")
 

@@ -29,7 +29,9 @@ checks that they agree, and prints the median times (the two run alternately) an
 - experts: the CPU SwiGLU function's backward computing ``silu(a)`` again, the probabilities'
   gradient as a product and a sum and ``silu_backward`` copied into its half of the buffer vs
   ``grouped_experts._ExpertsSwiGLU`` (``silu(a)`` kept from the forward, ``vecdot``, written in
-  place), forward + backward of the compute shape's 6 expert layers on one update's routed rows.
+  place), forward + backward of the compute shape's 6 expert layers on one update's routed rows;
+- experts' kernel: that function's Python loop (MKL splitting each product over the threads) vs its
+  C++ kernel (``cpu_kernels.experts_swiglu``: whole experts per OpenMP thread), the same rows.
 
     python benchmarks/step_parts.py [--threads 2] [--repeats 5]
 """
@@ -37,6 +39,7 @@ checks that they agree, and prints the median times (the two run alternately) an
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -431,7 +434,7 @@ def experts_swiglu(torch, repeats):
 
     class Replaced(ge._ExpertsSwiGLU):  # its forward and backward before the change
         @staticmethod
-        def forward(ctx, x_TH, probs_T, bounds, n, *weights):
+        def forward(ctx, x_TH, probs_T, bounds, n, kernel, *weights):
             fc1, fc2 = weights[:n], weights[n:]
             h_TF2 = x_TH.new_empty(x_TH.shape[0], fc1[0].shape[0])
             for (r0, r1), w in zip(bounds, fc1):
@@ -468,8 +471,31 @@ def experts_swiglu(torch, repeats):
             for (r0, r1), w in zip(bounds, fc1):
                 torch.mm(dh_TF2[r0:r1], w, out=dx_TH[r0:r1])
                 d_fc1.append(ge._weight_grad(w, dh_TF2[r0:r1].t(), x_TH[r0:r1]))
-            return (dx_TH, d_probs, None, None, *d_fc1, *d_fc2)
+            return (dx_TH, d_probs, None, None, None, *d_fc1, *d_fc2)
 
+    layers, bounds = _expert_layers(torch)
+    run = functools.partial(_run_experts, torch, layers, bounds)
+    assert all(torch.equal(a, b) for a, b in zip(run(Replaced)(), run(ge._ExpertsSwiGLU)()))
+    return ("experts' SwiGLU fwd+bwd, 6 layers x 16 experts, 3,219 rows (compute shape)",
+            *timed(run(Replaced), run(ge._ExpertsSwiGLU), repeats))
+
+
+def experts_kernel(torch, repeats):
+    from megatron_gspo import cpu_kernels
+    from megatron_gspo import grouped_experts as ge
+
+    kernel = cpu_kernels.experts_swiglu()
+    if kernel is None:
+        raise SystemExit("the experts' C++ kernel did not build (see the log line above)")
+    layers, bounds = _expert_layers(torch)
+    run = functools.partial(_run_experts, torch, layers, bounds, ge._ExpertsSwiGLU)
+    loop, fast = run(None), run(kernel)
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-6) for a, b in zip(loop(), fast()))
+    return ("experts' SwiGLU fwd+bwd, PyTorch loop vs C++ kernel (whole experts per thread)",
+            *timed(loop, fast, repeats))
+
+
+def _expert_layers(torch):
     # compute shape: 6 layers of 16 experts (fc1 [512, 256], fc2 [256, 256]) with DDP's
     # main_grad buffers; rows per expert as one update's router gave them (3,219 in all)
     g = torch.Generator().manual_seed(0)
@@ -486,20 +512,18 @@ def experts_swiglu(torch, repeats):
         x = torch.randn(ends[-1], 256, generator=g)
         layers.append((weights, x, torch.rand(ends[-1], generator=g),
                        torch.randn(ends[-1], 256, generator=g)))
+    return layers, bounds
 
-    def run(fn):
-        def go():
-            grads = []
-            for weights, x0, p0, dy in layers:
-                x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
-                fn.apply(x, p, bounds, 16, *weights).backward(dy)
-                grads += [x.grad, p.grad]
-            return grads
-        return go
 
-    assert all(torch.equal(a, b) for a, b in zip(run(Replaced)(), run(ge._ExpertsSwiGLU)()))
-    return ("experts' SwiGLU fwd+bwd, 6 layers x 16 experts, 3,219 rows (compute shape)",
-            *timed(run(Replaced), run(ge._ExpertsSwiGLU), repeats))
+def _run_experts(torch, layers, bounds, fn, kernel=None):
+    def go():
+        grads = []
+        for weights, x0, p0, dy in layers:
+            x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+            fn.apply(x, p, bounds, 16, kernel, *weights).backward(dy)
+            grads += [x.grad, p.grad]
+        return grads
+    return go
 
 
 def main() -> None:
@@ -520,7 +544,8 @@ def main() -> None:
             nonfinite(torch, args.repeats), seeded_sampling(torch, args.repeats, 128),
             seeded_sampling(torch, args.repeats, 151936), expert_stack(torch, args.repeats),
             entropy(torch, args.repeats, 32768), rope(torch, args.repeats, False),
-            rope(torch, args.repeats, True), experts_swiglu(torch, args.repeats)]
+            rope(torch, args.repeats, True), experts_swiglu(torch, args.repeats),
+            experts_kernel(torch, args.repeats)]
     print(f"{args.threads} threads, median of {args.repeats}, before and after run alternately "
           "(ms); before = the replaced code")
     print(f"{'part':72s} {'before':>9s} {'after':>9s} {'speed-up':>9s}")

@@ -15,7 +15,7 @@ runs as well.
 Changes (``--change``), each the code it replaced (before) against the code now (after):
 
 - ``experts_function``: every expert layer through ``grouped_mm`` over its stacked weights
-  (``swiglu_cpu_min_weight`` out of reach) against the CPU SwiGLU function;
+  (``swiglu_cpu_min_weight`` out of reach, the C++ kernel off) against the CPU SwiGLU function;
 - ``short_buckets``: every packed-attention bucket through SDPA's kernel (``matmul_max_keys``
   0) against short buckets as batched matmuls (``layers._MatmulBuckets``);
 - ``experts_kernel``: the CPU SwiGLU function's Python loop over the experts (MKL splitting each
@@ -49,11 +49,12 @@ def experts_function(run):
 
     def before():
         for m in layers:
-            m.swiglu_cpu_min_weight = float("inf")
+            m.swiglu_cpu_min_weight, m.cpu_kernel = float("inf"), False
 
     def after():
         for m in layers:
             m.__dict__.pop("swiglu_cpu_min_weight", None)  # the class's threshold
+            m.cpu_kernel = run.job.model.cpu_experts_kernel
 
     return before, after
 

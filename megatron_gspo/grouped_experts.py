@@ -14,18 +14,20 @@ widths a multiple of 4 in fp32, 8 in bf16), no expert bias, no fp8, the unfused 
 otherwise the parent's loop runs.
 
 On CPU, where ``grouped_mm`` is itself one matmul per expert, fp32 SwiGLU experts (Qwen3-MoE's:
-no GLU offset or clamp) of at least ``swiglu_cpu_min_weight`` fc1 weight elements run outside
-generation as one autograd function instead
-(``_ExpertsSwiGLU``): the same per-expert matmuls, written into slices of preallocated outputs
-from the experts' own weights, so no stacked copy of the weights per forward (generation keeps
-its cached stacks), and a backward that writes the GLU's two gradient halves into one buffer
-(no chunk and cat) and reuses the forward's ``silu(a)`` (kept: one more ``[tokens, F]`` per
-layer) instead of computing it again. The same products and sums in the same order: bitwise
-the grouped path's. Its loop leaves each product's split over the threads to MKL; the C++
-kernel (``cpu_kernels.experts_swiglu``, built at first use, ``model.cpu_experts_kernel``) runs the
-same steps with whole experts per OpenMP thread, taken largest first (single-threaded products:
-bitwise the loop's results on the machines measured), about 1.15x faster for the update phase of
-the compute benchmark shape.
+no GLU offset or clamp) run as one autograd function instead (``_ExpertsSwiGLU``): the same
+per-expert matmuls, written into slices of preallocated outputs from the experts' own weights, so
+no stacked copy of the weights per forward, and a backward that writes the GLU's two gradient
+halves into one buffer (no chunk and cat) and reuses the forward's ``silu(a)`` (kept: one more
+``[tokens, F]`` per layer) instead of computing it again. The same products and sums in the same
+order: bitwise the grouped path's. It runs through a C++ kernel (``cpu_kernels.experts_swiglu``,
+built at first use; ``model.cpu_experts_kernel``) that gives each OpenMP thread whole experts,
+taken largest first, on single-threaded products (bitwise the Python loop's results on the
+machines measured): no barrier per product, each expert's rows, weights and gradients on one
+core. In generation too, and for experts of any size. Where the kernel is off or did not build,
+the function's Python loop runs (MKL splitting each product over the threads) for experts of at
+least ``swiglu_cpu_min_weight`` fc1 weight elements outside generation, and grouped_mm otherwise
+(generation over its cached weight stacks). Measured (docs/performance.md): the compute benchmark
+shape's update phase 1.107x and its rollout 1.205x against the loop and grouped_mm.
 """
 
 from __future__ import annotations
@@ -162,9 +164,10 @@ class GroupedSequentialMLP(SequentialMLP):
 
     # Inside ``cached_expert_weights``: a dict holding this layer's stacked weights.
     weight_cache = None
-    # ``_ExpertsSwiGLU`` from this many fc1 weight elements per expert: below it, stacking the
-    # weights costs less than the function's per-expert calls (64 experts of 32 x 64, forward +
-    # backward: 105.9 ms against 97.7 through grouped_mm; 512 x 256: a compute step 5% faster).
+    # Without the C++ kernel, ``_ExpertsSwiGLU``'s loop from this many fc1 weight elements per
+    # expert: below it, stacking the weights costs less than the loop's per-expert calls (64
+    # experts of 32 x 64, forward + backward: 105.9 ms against 97.7 through grouped_mm; 512 x
+    # 256: a compute step 5% faster). The kernel runs every size (89.6 ms there), generation too.
     swiglu_cpu_min_weight = 16384
     # ``_ExpertsSwiGLU`` through the C++ kernel (whole experts per OpenMP thread) where it builds
     # (``model.cpu_experts_kernel``; build_model sets it per layer).
@@ -203,21 +206,37 @@ class GroupedSequentialMLP(SequentialMLP):
         """Whether this layer's experts are large enough for ``_ExpertsSwiGLU``."""
         return self.local_experts[0].linear_fc1.weight.numel() >= self.swiglu_cpu_min_weight
 
-    def _swiglu_cpu_ok(self, x: torch.Tensor, probs: torch.Tensor) -> bool:
-        """``_ExpertsSwiGLU`` runs: CPU, fp32, SwiGLU without offset or clamp, not generating,
-        experts large enough."""
+    def _swiglu_fp32_cpu(self, x: torch.Tensor, probs: torch.Tensor) -> bool:
+        """CPU, fp32, SwiGLU without offset or clamp."""
         c = self.config
         return (x.device.type == "cpu" and x.dtype == probs.dtype == torch.float32
-                and self.weight_cache is None and self.experts_large_enough()
                 and c.gated_linear_unit
                 and c.activation_func is F.silu and c.activation_func_clamp_value is None
                 and not c.glu_linear_offset)
 
+    def _kernel(self):
+        """The C++ kernel for this layer's fp32 SwiGLU experts on CPU, or None (switched off,
+        or it did not build)."""
+        return cpu_kernels.experts_swiglu() if self.cpu_kernel else None
+
+    def _swiglu_cpu_ok(self, x: torch.Tensor, probs: torch.Tensor) -> bool:
+        """``_ExpertsSwiGLU`` runs: CPU, fp32, SwiGLU without offset or clamp, and either its
+        C++ kernel is at hand (any size; generation too) or, for its Python loop, the experts
+        are large enough and not generating (generation's cached stacks go to grouped_mm)."""
+        if not self._swiglu_fp32_cpu(x, probs):
+            return False
+        if self._kernel() is not None:
+            return True
+        return self.weight_cache is None and self.experts_large_enough()
+
     def path(self, x: torch.Tensor, probs: torch.Tensor) -> str:
-        """Which forward runs for these inputs: "swiglu_cpu", "grouped" or "sequential"."""
+        """Which forward runs for these inputs: "swiglu_cpu_kernel" (the CPU function through
+        its C++ kernel), "swiglu_cpu" (through its loop), "grouped" or "sequential"."""
         if not self._grouped_ok(x):
             return "sequential"
-        return "swiglu_cpu" if self._swiglu_cpu_ok(x, probs) else "grouped"
+        if not self._swiglu_cpu_ok(x, probs):
+            return "grouped"
+        return "swiglu_cpu_kernel" if self._kernel() is not None else "swiglu_cpu"
 
     def forward(self, permuted_local_hidden_states: torch.Tensor,
                 tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
@@ -225,12 +244,12 @@ class GroupedSequentialMLP(SequentialMLP):
         path = self.path(x, permuted_probs)
         if path == "sequential":
             return super().forward(x, tokens_per_expert, permuted_probs)
-        if path == "swiglu_cpu":
+        if path.startswith("swiglu_cpu"):
             ends = torch.as_tensor(tokens_per_expert).cumsum(0).tolist()
             bounds = list(zip([0] + ends[:-1], ends))
             weights = ([e.linear_fc1.weight for e in self.local_experts]
                        + [e.linear_fc2.weight for e in self.local_experts])
-            kernel = cpu_kernels.experts_swiglu() if self.cpu_kernel else None
+            kernel = self._kernel() if path == "swiglu_cpu_kernel" else None
             return _ExpertsSwiGLU.apply(x, permuted_probs, bounds, len(self.local_experts),
                                         kernel, *weights), None
         counts = torch.as_tensor(tokens_per_expert, device=x.device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "float32",
                       glu_offset: float = 0.0, clamp: float | None = None,
-                      expert_width: int = 256, ddp: bool = False) -> dict:
+                      expert_width: int = 256, ddp: bool = False, kernel: bool = True) -> dict:
     """Every MoE layer's experts of a tiny model (16 experts, top-4): the same tokens through
     SequentialMLP and through GroupedSequentialMLP sharing its parameters; the largest
     differences of the outputs, of the input gradients and of the weight gradients, relative to
@@ -17,7 +17,8 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
     gradient reduction with the backward, so every parameter's hook must run), weight gradients
     read from its ``main_grad`` buffers (the CPU function adds its weight gradients there itself), and
     two micro-batches (the first under ``no_sync``) through GroupedSequentialMLP must double
-    them ("accum": its largest relative difference from twice one)."""
+    them ("accum": its largest relative difference from twice one). ``kernel``: the CPU
+    function through its C++ kernel (``cpu_kernel``), or through its Python loop."""
     import contextlib
     import copy
 
@@ -49,6 +50,7 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
         seq = layer.mlp.experts
         grouped = copy.copy(seq)
         grouped.__class__ = GroupedSequentialMLP
+        grouped.cpu_kernel = kernel
         if ddp:  # overlapping the gradient reduction with the backward: every hook must run
             from megatron.core.distributed import (DistributedDataParallel,
                                                    DistributedDataParallelConfig)

@@ -1,8 +1,8 @@
 """Forward + backward of a fine-grained MoE with the local experts as grouped matmuls vs Megatron's
 SequentialMLP loop (same weights, same tokens), one rank, CPU: through ``grouped_mm`` over the
 stacked weights and through the CPU function (``_ExpertsSwiGLU``, its PyTorch loop and its C++
-kernel), each forced; the default takes
-the function from ``GroupedSequentialMLP.swiglu_cpu_min_weight`` fc1 weight elements per expert.
+kernel), each forced; the default takes the function through its kernel where that builds, else
+its loop from ``GroupedSequentialMLP.swiglu_cpu_min_weight`` fc1 weight elements per expert.
 
     python benchmarks/grouped_experts.py [--experts 64] [--top-k 8] [--tokens 2048] [--repeats 7]
 
@@ -24,6 +24,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from megatron_gspo import cpu_kernels  # noqa: E402
 from megatron_gspo.config import ModelConfig, ParallelConfig  # noqa: E402
 from megatron_gspo.grouped_experts import GroupedSequentialMLP  # noqa: E402
 from megatron_gspo.model import build_model  # noqa: E402
@@ -42,7 +43,8 @@ def measure(grouped: bool, args, *, path: str = "") -> tuple:
     try:
         gpt = build_model(cfg, ctx)
         experts = [m for m in gpt.modules() if isinstance(m, GroupedSequentialMLP)]
-        default_function = all(m.experts_large_enough() for m in experts)
+        default_function = (cpu_kernels.experts_swiglu() is not None
+                            or all(m.experts_large_enough() for m in experts))
         for m in experts:
             m.swiglu_cpu_min_weight = 0 if path.startswith("function") else float("inf")
             m.cpu_kernel = path == "function"
@@ -74,7 +76,9 @@ def main() -> None:
     (loop, _), (stacked, _) = measure(False, args), measure(True, args, path="grouped_mm")
     function, default_function = measure(True, args, path="function")
     function_loop, _ = measure(True, args, path="function_loop")
-    default = "function" if default_function else "grouped_mm"
+    kernel = cpu_kernels.experts_swiglu() is not None
+    default = ("function, kernel" if kernel else "function, loop") if default_function \
+        else "grouped_mm"
     print(f"MoE of 4 layers, hidden {args.hidden}, {args.experts} experts of width "
           f"{args.expert_width}, top-{args.top_k}; {args.tokens} tokens; forward + backward, "
           f"median of {args.repeats}, {torch.get_num_threads()} threads")
@@ -82,7 +86,7 @@ def main() -> None:
     print(f"grouped_mm, stacked  {stacked * 1e3:8.1f} ms")
     print(f"CPU function, loop   {function_loop * 1e3:8.1f} ms")
     print(f"CPU function, kernel {function * 1e3:8.1f} ms")
-    chosen = function if default == "function" else stacked
+    chosen = {"function, kernel": function, "function, loop": function_loop}.get(default, stacked)
     print(f"grouped ({default}, the default here) vs loop: {loop / chosen:.2f}x")
 
 

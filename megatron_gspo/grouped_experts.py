@@ -21,8 +21,9 @@ halves into one buffer (no chunk and cat) and reuses the forward's ``silu(a)`` (
 ``[tokens, F]`` per layer) instead of computing it again. The same products and sums in the same
 order: bitwise the grouped path's. It runs through a C++ kernel (``cpu_kernels.experts_swiglu``,
 built at first use; ``model.cpu_experts_kernel``) that gives each OpenMP thread whole experts,
-taken largest first, on single-threaded products (bitwise the Python loop's results on the
-machines measured): no barrier per product, each expert's rows, weights and gradients on one
+taken largest first, on single-threaded products (within 1e-6 of the Python loop; bitwise at
+the benchmark shapes measured, while at others single-threaded products can round a sum
+differently in the last bit): no barrier per product, each expert's rows, weights and gradients on one
 core. In generation too, and for experts of any size. Where the kernel is off or did not build,
 the function's Python loop runs (MKL splitting each product over the threads) for experts of at
 least ``swiglu_cpu_min_weight`` fc1 weight elements outside generation, and grouped_mm otherwise

@@ -1,12 +1,14 @@
 """cpu_kernels: the experts' SwiGLU kernel (whole experts per OpenMP thread) builds here, gives
 the PyTorch loop's results (forward, every gradient, main_grad accumulation), keeps the calling
-thread's OpenMP count, raises errors instead of crashing, and a failed build falls back."""
+thread's OpenMP count, raises errors instead of crashing, a failed build falls back, and a build
+killed half-way does not block the next."""
 
 import json
 import logging
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -107,9 +109,25 @@ def test_a_failed_build_logs_one_line_and_returns_none(tmp_path, monkeypatch, ca
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with caplog.at_level(logging.WARNING, logger="megatron_gspo.cpu_kernels"):
         mod = cpu_kernels.build("megatron_gspo_test_no_compiler", "experts_swiglu.cpp",
-                                build_directory=str(tmp_path / "build"))
+                                str(tmp_path / "build"))
     assert mod is None
     [record] = [r for r in caplog.records if r.name == "megatron_gspo.cpu_kernels"]
     message = record.getMessage()
     assert "\n" not in message
     assert "megatron_gspo_test_no_compiler" in message and "using the PyTorch path" in message
+
+
+def test_a_build_killed_half_way_does_not_block_the_next(tmp_path, monkeypatch):
+    # torch's lock file, left behind by a build that was killed, would make torch wait for ever;
+    # the next build (here one that fails fast, with no compiler) clears it and returns
+    directory = tmp_path / "build"
+    directory.mkdir()
+    (directory / "lock").write_text("")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    done = []
+    worker = threading.Thread(target=lambda: done.append(cpu_kernels.build(
+        "megatron_gspo_test_stale_lock", "experts_swiglu.cpp", str(directory))), daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert done == [None], "the build waited on the stale lock file"
+    assert not (directory / "lock").exists()

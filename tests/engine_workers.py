@@ -53,10 +53,11 @@ def _trainer_view(gpt, ctx, replay, sample, temperature):
     return logp, routes[:real], start
 
 
-def engine_vs_trainer_job(parallel_kwargs, prompts, params_kwargs):
+def engine_vs_trainer_job(parallel_kwargs, prompts, params_kwargs, model_overrides=None):
+    from megatron_gspo.grouped_experts import GroupedSequentialMLP, cached_expert_weights
     from megatron_gspo.rollout.types import SamplingParams
 
-    cfg, ctx, gpt, replay, engine = _setup(parallel_kwargs)
+    cfg, ctx, gpt, replay, engine = _setup(parallel_kwargs, **(model_overrides or {}))
     params = SamplingParams(**params_kwargs)
     logit_shapes = []  # every forward's logits (the last stage's): one position per row
     forward = engine._forward
@@ -89,7 +90,12 @@ def engine_vs_trainer_job(parallel_kwargs, prompts, params_kwargs):
         route_layers += routes.shape[1]
     # torch's max keeps a NaN (Python's max would drop one that comes after a number)
     worst_logp = float(torch.stack(diffs).max()) if diffs else None
+    with torch.no_grad(), cached_expert_weights(gpt):  # the experts' path while generating
+        x = torch.zeros(1, cfg.hidden_size, device=ctx.device)
+        generation_paths = sorted({m.path(x, x[:, 0]) for m in gpt.modules()
+                                   if isinstance(m, GroupedSequentialMLP)})
     return dict(worst_logp=worst_logp, routes_equal=routes_equal, shapes_ok=shapes_ok,
+                generation_paths=generation_paths,
                 compared=len(samples), route_layers=route_layers,
                 direct_decode=engine.direct_decode,
                 decode_rows=engine.decode_rows, logit_shapes=logit_shapes,

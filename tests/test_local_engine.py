@@ -29,13 +29,13 @@ CASES = [
 def runs():
     """Every engine job, one spawn per world size: {"layouts": per case, per rank results,
     "stop", "cache", "big_batch", "rotated", "direct", "direct_dense", "path_shared",
-    "path_sigmoid", "path_width"}."""
+    "path_sigmoid", "path_width", "kernel_off"}."""
     out = {"layouts": [None] * len(CASES)}
     for world in sorted({w for w, _, _ in CASES}):
         index = [i for i, (w, _, _) in enumerate(CASES) if w == world]
         cases = [(engine_vs_trainer_job, (CASES[i][1], PROMPTS, CASES[i][2])) for i in index]
         extra = ["stop", "cache", "big_batch", "rotated", "direct", "direct_dense",
-                 "path_shared", "path_sigmoid", "path_width"] if world == 1 else []
+                 "path_shared", "path_sigmoid", "path_width", "kernel_off"] if world == 1 else []
         cases += [(stop_job, (PROMPTS,)), (cache_vs_recompute_job, (PROMPTS, 8)),
                   (big_batch_job, (64, 6)), (rotated_cache_job, (PROMPTS,)),
                   (direct_decode_job, (PROMPTS, {})),
@@ -44,7 +44,12 @@ def runs():
                   (decode_path_job, (dict(shared_expert_ffn_hidden_size=32),)),
                   (decode_path_job, (dict(router_score_function="sigmoid"),)),
                   # an expert width grouped_mm cannot take (the experts loop instead)
-                  (decode_path_job, (dict(moe_ffn_hidden_size=30),))][:len(extra)]
+                  (decode_path_job, (dict(moe_ffn_hidden_size=30),)),
+                  # the experts' C++ kernel off: generation through grouped_mm's cached stacks,
+                  # the trainer through grouped_mm (experts below swiglu_cpu_min_weight)
+                  (engine_vs_trainer_job, ({}, PROMPTS, dict(max_new_tokens=5, temperature=1.0,
+                                                             seed=5),
+                                           dict(cpu_experts_kernel=False)))][:len(extra)]
         results = run_layouts(world, cases)
         for i, per_rank in zip(index, results):
             out["layouts"][i] = per_rank
@@ -69,6 +74,8 @@ def test_engine_logprobs_and_routes_equal_the_trainers(runs, case):
         assert r["compared"] == 4 * len(PROMPTS) and r["route_layers"] > 0
         assert r["routes_equal"] and r["shapes_ok"]
         assert r["all_logp_nonpositive"]
+        # fp32 SwiGLU experts on CPU generate through the C++ kernel (cpu_kernels)
+        assert r["generation_paths"] == ["swiglu_cpu_kernel"], r["generation_paths"]
         # No full-vocabulary logits for prompt positions: the prefill gives the last one only,
         # and runs each prompt once (not once per sample).
         shapes = r["logit_shapes"]
@@ -82,6 +89,13 @@ def test_engine_logprobs_and_routes_equal_the_trainers(runs, case):
             assert rows[-1] < 4 * len(PROMPTS)
             # forward t feeds step t's tokens: every row still decoding (longer than t + 1)
             assert all(rows[t] >= sum(n > t + 1 for n in r["lengths"]) for t in range(len(rows)))
+
+
+def test_engine_equals_the_trainer_with_the_cpu_kernel_off(runs):
+    r = runs["kernel_off"]
+    assert r["generation_paths"] == ["grouped"], r["generation_paths"]
+    assert r["worst_logp"] is not None and r["worst_logp"] <= 1e-5
+    assert r["compared"] == 4 * len(PROMPTS) and r["routes_equal"] and r["shapes_ok"]
 
 
 def test_stop_tokens_end_responses(runs):

@@ -32,8 +32,8 @@ from megatron_gspo.parallel import destroy_parallel, init_parallel  # noqa: E402
 
 
 def measure(grouped: bool, args, *, path: str = "") -> tuple:
-    """(median seconds of a forward + backward, whether the default takes the CPU function for
-    these experts); ``path`` ("grouped_mm", "function" through its C++ kernel, or
+    """(median seconds of a forward + backward, whether these experts are large enough for the
+    CPU function's loop); ``path`` ("grouped_mm", "function" through its C++ kernel, or
     "function_loop" through its PyTorch loop) forces the grouped experts' path."""
     cfg = ModelConfig(vocab_size=128, hidden_size=args.hidden, num_layers=4, num_attention_heads=4,
                       num_query_groups=2, head_dim=16, ffn_hidden_size=128,
@@ -43,8 +43,7 @@ def measure(grouped: bool, args, *, path: str = "") -> tuple:
     try:
         gpt = build_model(cfg, ctx)
         experts = [m for m in gpt.modules() if isinstance(m, GroupedSequentialMLP)]
-        default_function = (cpu_kernels.experts_swiglu() is not None
-                            or all(m.experts_large_enough() for m in experts))
+        large_enough = all(m.experts_large_enough() for m in experts)
         for m in experts:
             m.swiglu_cpu_min_weight = 0 if path.startswith("function") else float("inf")
             m.cpu_kernel = path == "function"
@@ -58,7 +57,7 @@ def measure(grouped: bool, args, *, path: str = "") -> tuple:
             gpt(tokens, pos, attention_mask=None).float().square().mean().backward()
             if i:
                 times.append(time.perf_counter() - t0)
-        return statistics.median(times), default_function
+        return statistics.median(times), large_enough
     finally:
         destroy_parallel(keep_process_group=True)
 
@@ -74,11 +73,12 @@ def main() -> None:
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     (loop, _), (stacked, _) = measure(False, args), measure(True, args, path="grouped_mm")
-    function, default_function = measure(True, args, path="function")
+    function, large_enough = measure(True, args, path="function")
     function_loop, _ = measure(True, args, path="function_loop")
-    kernel = cpu_kernels.experts_swiglu() is not None
-    default = ("function, kernel" if kernel else "function, loop") if default_function \
-        else "grouped_mm"
+    if cpu_kernels.experts_swiglu() is not None:
+        default = "function, kernel"
+    else:
+        default = "function, loop" if large_enough else "grouped_mm"
     print(f"MoE of 4 layers, hidden {args.hidden}, {args.experts} experts of width "
           f"{args.expert_width}, top-{args.top_k}; {args.tokens} tokens; forward + backward, "
           f"median of {args.repeats}, {torch.get_num_threads()} threads")

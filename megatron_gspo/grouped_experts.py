@@ -124,40 +124,36 @@ class _ExpertsSwiGLU(torch.autograd.Function):
         return (dx_TH, d_probs, None, None, None, *d_fc1, *d_fc2)
 
 
+def _grad_target(weight):
+    """Where ``weight``'s gradient goes and what goes back to autograd for it: its ``main_grad``
+    where Megatron's DDP gave it one of the weight's dtype, added to by the matmul (``addmm_``),
+    as its fused linear layers do, so no gradient tensor is written and then read again for the
+    backward hook's addition; then an unfilled placeholder goes back to autograd with
+    ``grad_added_to_main_grad`` set (DDP's hook still runs for the weight: with
+    ``overlap_grad_reduce`` it marks the weight's bucket ready, and adds nothing). Otherwise a
+    new tensor, written and returned. (target, added, returned)."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None and main_grad.dtype == weight.dtype:
+        weight.grad_added_to_main_grad = True
+        return main_grad, True, torch.empty_like(weight)
+    grad = torch.empty_like(weight)
+    return grad, False, grad
+
+
 def _grad_targets(weights):
-    """For the kernel: where each weight's gradient goes (its ``main_grad``, added to, as
-    ``_weight_grad`` does; or a new tensor, written), whether it is added, and what goes back to
-    autograd for it (the unfilled placeholder with ``grad_added_to_main_grad`` set, or the new
-    tensor)."""
-    targets, added, returned = [], [], []
-    for w in weights:
-        main_grad = getattr(w, "main_grad", None)
-        if main_grad is not None and main_grad.dtype == w.dtype:
-            targets.append(main_grad)
-            added.append(True)
-            w.grad_added_to_main_grad = True
-            returned.append(torch.empty_like(w))
-        else:
-            grad = torch.empty_like(w)
-            targets.append(grad)
-            added.append(False)
-            returned.append(grad)
-    return targets, added, returned
+    """``_grad_target`` of each weight, as three lists (for the kernel)."""
+    targets, added, returned = zip(*map(_grad_target, weights))
+    return list(targets), list(added), list(returned)
 
 
 def _weight_grad(weight, a, b):
-    """The gradient ``a @ b`` of ``weight``; added straight into ``weight.main_grad`` by the
-    matmul (``addmm_``) where Megatron's DDP gave it one of the weight's dtype, as its fused
-    linear layers do, so no gradient tensor is written and then read again for the backward
-    hook's addition. As there, an unfilled placeholder goes back to autograd with
-    ``grad_added_to_main_grad`` set: DDP's hook still runs for the weight (with
-    ``overlap_grad_reduce`` it marks the weight's bucket ready) and adds nothing."""
-    main_grad = getattr(weight, "main_grad", None)
-    if main_grad is None or main_grad.dtype != weight.dtype:
-        return a @ b
-    main_grad.addmm_(a, b)
-    weight.grad_added_to_main_grad = True
-    return torch.empty_like(weight)
+    """The gradient ``a @ b`` of ``weight`` into its ``_grad_target``."""
+    target, added, returned = _grad_target(weight)
+    if added:
+        target.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=target)
+    return returned
 
 
 class GroupedSequentialMLP(SequentialMLP):

@@ -26,7 +26,7 @@ def _experts(seed=0, counts=(40, 0, 97, 13, 64, 1, 120, 33), H=32, F=48):
     n = len(counts)
     w = ([(torch.randn(2 * F, H, generator=g) * 0.1).requires_grad_() for _ in range(n)]
          + [(torch.randn(H, F, generator=g) * 0.1).requires_grad_() for _ in range(n)])
-    for i, t in enumerate(w):  # every other weight has a main_grad (Megatron's DDP), already holding a sum
+    for i, t in enumerate(w):  # every other weight has a main_grad (DDP's), already holding a sum
         if i % 2:
             t.main_grad = torch.randn(t.shape, generator=g)
     x = torch.randn(ends[-1], H, generator=g).requires_grad_()

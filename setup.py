@@ -8,9 +8,14 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(include=["megatron_gspo", "megatron_gspo.*", "moe", "moe.*"]),
+    packages=find_packages(include=["megatron_gspo", "megatron_gspo.*", "moe", "moe.*"])
+    + ["megatron_gspo.conf"],
+    # The config groups ship inside the package (megatron_gspo/conf when installed; the
+    # checkout's conf/ otherwise: megatron_gspo.config.conf_dir), so that an installed
+    # `megatron-gspo` finds them from any directory.
+    package_dir={"megatron_gspo.conf": "conf"},
     # C++ sources that megatron_gspo/cpu_kernels.py builds at first use
-    package_data={"megatron_gspo": ["csrc/*.cpp"]},
+    package_data={"megatron_gspo": ["csrc/*.cpp"], "megatron_gspo.conf": ["*.yaml", "*/*.yaml"]},
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16.1",

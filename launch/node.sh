@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
-# One node of a training job (an srun task of launch/train.sbatch): optionally a colocated SGLang
-# server, then torchrun with the rendezvous at the head node. Exits 75 when the trainer stopped
-# for a requeue (its REQUEUE marker is newer than this start), otherwise with torchrun's code.
+# One node of a training job (an srun task of launch/train.sbatch): torchrun with the rendezvous
+# at the head node. Exits 0 when the trainer stopped for a requeue (its REQUEUE marker is newer
+# than this start: train.sbatch reads the marker and requeues; a non-zero exit would have srun
+# kill the other nodes), otherwise with torchrun's code.
 #   node.sh HEAD_NODE [hydra overrides...]
 set -uo pipefail
 
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-HEAD="$1"; shift
-REQUEUE_EXIT_CODE=75
 RDZV_PORT="${MG_RDZV_PORT:-29500}"
 RUN_DIR="${MG_RUN_DIR:?set by launch/submit.sh}"
 
@@ -15,13 +13,7 @@ run() {
   if [[ -n "${MG_DRY_RUN:-}" ]]; then printf '+'; printf ' %q' "$@"; printf '\n'; else "$@"; fi
 }
 
-if [[ "${MG_SGLANG:-none}" == colocated ]]; then
-  if [[ -n "${MG_DRY_RUN:-}" ]]; then
-    bash "$HERE/sglang_server.sh"  # prints its command in a dry run
-  else
-    bash "$HERE/sglang_server.sh" &
-  fi
-fi
+HEAD="$1"; shift
 STAMP="$RUN_DIR/.node_start_${SLURM_NODEID:-0}"
 if [[ -z "${MG_DRY_RUN:-}" ]]; then mkdir -p "$RUN_DIR" && touch "$STAMP"; fi
 # torchrun must outlive the signal: SIGUSR2 is ignored by it (and inherited as ignored by the
@@ -43,6 +35,6 @@ while true; do
   kill -0 "$TRAINER" 2>/dev/null || break
 done
 if [[ -f "$RUN_DIR/REQUEUE" && "$RUN_DIR/REQUEUE" -nt "$STAMP" ]]; then
-  exit "$REQUEUE_EXIT_CODE"
+  exit 0
 fi
 exit "$code"

@@ -9,10 +9,10 @@ import warnings
 import hydra
 from omegaconf import DictConfig
 
-from megatron_gspo.config import ConfigError, job_from_omegaconf, register_configs
+from megatron_gspo.config import ConfigError, conf_dir, job_from_omegaconf, register_configs
 
 register_configs()
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+CONF_DIR = conf_dir()  # shipped in the package when installed, the checkout's conf/ otherwise
 
 
 def check_group_choices(argv: list[str], conf_dir: str = CONF_DIR) -> None:
@@ -37,7 +37,7 @@ def _report(line: str) -> None:
     sys.stderr.flush()
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     from megatron_gspo import faults, trainer
     from megatron_gspo.data.prompts import PromptDataError

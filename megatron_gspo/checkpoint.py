@@ -12,10 +12,13 @@ Layout of ``ROOT`` (the run directory's ``checkpoints/``)::
 
 A checkpoint whose manifest is missing or does not match the files (a kill while writing, a
 truncated copy) is skipped with a warning on resume; leftover ``.tmp-*`` directories are removed by
-the next save. The optimizer is saved in Megatron's ``fully_reshardable`` format, so a checkpoint
-loads into another TP / PP / EP / DP layout; when the new layout splits the optimizer differently
-(a different set of expert-parallel parameter groups) the weights, schedule and data position load
-and the optimizer moments restart, with a warning.
+the next save. The optimizer's moments are saved ``dp_reshardable`` on GPUs (each rank writes its
+own shard: no gather, bounded host memory; they load into another data-parallel size) and
+``fully_reshardable`` on CPU or when asked (``trainer.checkpoint_format``: gathered onto each DP
+group's rank 0 over gloo; they load into any TP / PP / EP / DP layout). Weights load into any
+layout either way; when the new layout cannot take the saved moments (another model-parallel
+layout of ``dp_reshardable`` moments, or an optimizer split into other expert-parallel groups) the
+weights, schedule and data position load and the moments restart, with a warning.
 """
 
 from __future__ import annotations
@@ -64,12 +67,34 @@ def optimizer_signature(optimizer) -> list:
             for o in sub_optimizers(optimizer)]
 
 
-def _sharding_metadata(ctx: ParallelContext) -> dict:
-    meta = {"distrib_optim_sharding_type": "fully_reshardable"}
-    if ctx.device.type == "cpu":
-        # Gathers the shards over the gloo data-parallel group on CPU instead of NCCL.
+OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
+
+
+def optimizer_format(requested: str, device: torch.device) -> str:
+    """The distributed optimizer's checkpoint format for ``trainer.checkpoint_format``:
+    ``auto`` is ``dp_reshardable`` on GPUs (every rank writes its own shard of the moments from
+    where it lives: no gather, nothing of the model's size on the host; loads into another
+    data-parallel size only) and ``fully_reshardable`` on CPU (loads into any layout)."""
+    if requested == "auto":
+        return "dp_reshardable" if device.type == "cuda" else "fully_reshardable"
+    if requested not in OPTIMIZER_FORMATS:
+        raise ValueError(f"checkpoint format {requested!r}; valid: auto, "
+                         f"{', '.join(OPTIMIZER_FORMATS)}")
+    return requested
+
+
+def _sharding_metadata(fmt: str) -> dict:
+    meta = {"distrib_optim_sharding_type": fmt}
+    if fmt == "fully_reshardable":
+        # Gathered over the gloo data-parallel group onto DP rank 0 only (Megatron's default
+        # all-gathers over NCCL onto every rank: each would hold its model-parallel shard's
+        # whole fp32 state on the host).
         meta["distrib_optim_fully_reshardable_mem_efficient"] = True
     return meta
+
+
+def _model_parallel(layout: Optional[dict]) -> tuple:
+    return tuple((layout or {}).get(k) for k in ("tp", "pp", "ep", "etp", "cp"))
 
 
 def _prepare_optimizer(optimizer, ctx: ParallelContext, loading: bool) -> None:
@@ -160,8 +185,9 @@ def check_complete(path: str) -> Optional[str]:
 class CheckpointManager:
     """Saves and finds checkpoints under ``root``; every rank calls ``save`` and ``load``."""
 
-    def __init__(self, root: str, ctx: ParallelContext, *, keep: int = 2):
+    def __init__(self, root: str, ctx: ParallelContext, *, keep: int = 2, fmt: str = "auto"):
         self.root, self.ctx, self.keep = os.path.abspath(root), ctx, keep
+        self.format = optimizer_format(fmt, ctx.device)
 
     # -- saving ------------------------------------------------------------------------------------
     def save(self, step: int, *, model, optimizer, state: dict,
@@ -189,7 +215,7 @@ class CheckpointManager:
         has_optimizer = optimizer_has_state(optimizer, self.ctx.device)
         if has_optimizer:
             sharded["optimizer"] = optimizer.sharded_state_dict(
-                model_sd, is_loading=False, metadata=_sharding_metadata(self.ctx))
+                model_sd, is_loading=False, metadata=_sharding_metadata(self.format))
         dist_checkpointing.save(sharded, tmp)
         if rank0:
             os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
@@ -198,7 +224,8 @@ class CheckpointManager:
         dist.barrier()
         if rank0:
             full_state = dict(state, step=step, layout=_layout(self.ctx), has_optimizer=has_optimizer,
-                              optimizer_signature=optimizer_signature(optimizer))
+                              optimizer_signature=optimizer_signature(optimizer),
+                              optimizer_format=self.format)
             _fsync_write(os.path.join(tmp, STATE), json.dumps(full_state, indent=1))
             if before_commit is not None:
                 before_commit()
@@ -263,8 +290,13 @@ class CheckpointManager:
         with open(os.path.join(path, STATE)) as f:
             state = json.load(f)
         saved_optimizer = state.get("has_optimizer", True)
+        fmt = state.get("optimizer_format", "fully_reshardable")
         same_optimizer = (saved_optimizer
                           and state.get("optimizer_signature") == optimizer_signature(optimizer))
+        # dp_reshardable moments load into another data-parallel size only.
+        resharded = (same_optimizer and fmt == "dp_reshardable"
+                     and _model_parallel(state.get("layout")) != _model_parallel(_layout(self.ctx)))
+        same_optimizer = same_optimizer and not resharded
         # Dummy states only when the checkpoint's optimizer state replaces them: a checkpoint
         # without one (step 0, or another split) must leave the optimizer fresh (no Adam step).
         _prepare_optimizer(optimizer, self.ctx, loading=same_optimizer)
@@ -272,7 +304,7 @@ class CheckpointManager:
         sharded = {"model": model_sd}
         if same_optimizer:
             sharded["optimizer"] = optimizer.sharded_state_dict(
-                model_sd, is_loading=True, metadata=_sharding_metadata(self.ctx))
+                model_sd, is_loading=True, metadata=_sharding_metadata(fmt))
         loaded = dist_checkpointing.load(sharded, path)
         missing, _ = model.load_state_dict(loaded["model"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -287,7 +319,12 @@ class CheckpointManager:
             # The model weights are loaded into the model; the fresh optimizer's fp32 main copy
             # must follow them.
             _reload_main_params(optimizer)
-            if saved_optimizer and self.ctx.rank == 0:
+            if resharded and self.ctx.rank == 0:
+                _warn(f"{path}: its optimizer moments were saved dp_reshardable from model-"
+                      f"parallel layout {state.get('layout')}, which loads into another data-"
+                      "parallel size only; its moments restart (save with "
+                      "trainer.checkpoint_format=fully_reshardable before changing tp/pp/ep/cp)")
+            elif saved_optimizer and self.ctx.rank == 0:
                 _warn(f"{path}: the optimizer was split differently when saved "
                       f"({state.get('optimizer_signature')} vs {optimizer_signature(optimizer)}); "
                       "its moments restart")

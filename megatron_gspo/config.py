@@ -13,6 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
+def conf_dir() -> str:
+    """The config groups: ``conf/`` shipped inside the installed package, else the checkout's."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    shipped = os.path.join(here, "conf")
+    return shipped if os.path.isdir(shipped) else os.path.join(os.path.dirname(here), "conf")
+
+
 class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the key and the fix."""
 
@@ -57,6 +64,9 @@ class ModelConfig:
     # OpenMP thread; megatron_gspo/cpu_kernels.py); where it cannot be built, or with false, the
     # PyTorch loop over the experts runs instead (same results, slower).
     cpu_experts_kernel: bool = True
+    # none | full (Megatron's full recompute, one layer at a time: each layer keeps only its
+    # input for the backward; about a third more compute, activations of one layer)
+    activation_recompute: str = "none"
 
     @property
     def is_moe(self) -> bool:
@@ -100,6 +110,9 @@ class ModelConfig:
         if self.aux_loss_coeff < 0:
             raise _err("model.aux_loss_coeff", self.aux_loss_coeff, "must be >= 0",
                        "use 0 to disable")
+        if self.activation_recompute not in ("none", "full"):
+            raise _err("model.activation_recompute", self.activation_recompute, "is unknown",
+                       "use none or full")
         if self.params_dtype not in ("float32", "bfloat16"):
             raise _err("model.params_dtype", self.params_dtype, "is not supported",
                        "use float32 or bfloat16")
@@ -117,14 +130,31 @@ class ParallelConfig:
     etp: Optional[int] = None  # expert tensor parallel; None means tp (megatron-core's default)
     sequence_parallel: bool = False
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
-    device: str = "auto"  # auto | cpu | cuda
+    # auto (a GPU when one is visible, else the CPU) | cpu | cuda (a GPU or a one-line error:
+    # the GPU recipes say cuda, so that a job without GPUs never falls back to the CPU)
+    device: str = "auto"
+    # Seconds a collective may wait before the process groups give up (the world, Megatron's
+    # groups, the replica groups). Generous: while a replica's leader generates (minutes for
+    # long responses) or waits for SGLang servers to load, its other ranks wait in a broadcast.
+    timeout_s: float = 10800.0
 
     @property
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
 
-    def validate(self, world_size: int, model: ModelConfig, *, device_type: str = "cpu") -> int:
-        """Check the layout against the world size and the model; returns the data parallel size."""
+    def validate(self, world_size: int, model: ModelConfig, *, device_type: str = "cpu",
+                 have_te: bool = False) -> int:
+        """Check the layout against the world size and the model; returns the data parallel size.
+        ``have_te``: Transformer Engine imports (its context-parallel attention)."""
+        if not self.timeout_s > 0:
+            raise _err("parallel.timeout_s", self.timeout_s, "must be > 0", "e.g. 10800 (3 h)")
+        if self.cp > 1 and device_type == "cuda" and not have_te:
+            # The SDPA fallback (megatron_gspo/layers.py) all-gathers K and V and masks a dense
+            # [Q, K] product over the whole packed row: quadratic in the row, no flash kernel.
+            raise _err("parallel.cp", self.cp, "context parallelism on GPUs needs Transformer "
+                       "Engine's attention (without it attention would be quadratic in the "
+                       "packed row, with no flash kernel)", "install Transformer Engine (the "
+                       "GPU image has it; pip install -e .[gpu]) or set parallel.cp=1")
         for key in ("tp", "pp", "ep", "cp", "expert_tp"):
             if getattr(self, key) < 1:
                 name = "etp" if key == "expert_tp" else key
@@ -289,7 +319,20 @@ class RolloutConfig:
     top_k: int = -1
     sglang_urls: list = field(default_factory=list)  # servers (engine=sglang)
     sglang_router_url: Optional[str] = None
-    weight_sync: str = "disk"  # sglang: disk | distributed | tensor
+    # The Hugging Face checkpoint the servers were started from (launch/submit.sh --model-path
+    # sets it): the trainer must start from the same weights (trainer.init_from) and tokenizer
+    # (data.tokenizer), and every server must report it (/model_info) before the first step.
+    sglang_model_path: str = ""
+    # Seconds: servers' start-up (loading a large checkpoint), one batched /generate request,
+    # one weight-update call (never retried: a repeated distributed update would wait for a
+    # broadcast that never comes), other calls (health, pause, flush; retried).
+    sglang_startup_timeout_s: float = 1800.0
+    sglang_generate_timeout_s: float = 3600.0
+    sglang_update_timeout_s: float = 1800.0
+    sglang_control_timeout_s: float = 60.0
+    # sglang: disk | distributed (NCCL broadcast from trainer rank 0 to every server rank) |
+    # tensor (CUDA IPC handles: colocated servers only, which this release refuses)
+    weight_sync: str = "disk"
     # Each server's GPUs (its tensor-parallel size): ranks it adds to the weight_sync=distributed
     # group, payloads of weight_sync=tensor.
     sglang_gpus_per_server: int = 8
@@ -302,6 +345,9 @@ class RolloutConfig:
     sglang_max_in_flight: int = 32  # requests in flight at once (per replica leader)
     weight_sync_bucket_mb: float = 512.0  # weights go out in buckets of about this size
     weight_sync_port: int = 29600  # weight_sync=distributed: the trainer's (rank 0) store port
+    # weight_sync=distributed: the address servers reach trainer rank 0 at; empty: the address
+    # of rank 0's interface that routes to the first server
+    weight_sync_address: str = ""
     return_routes: bool = False  # sglang: ask the servers for routed experts (R3, drift)
     # DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more prompts
     # until the step's batch is full, at most max_sampling_rounds rounds (then groups of equal
@@ -327,9 +373,10 @@ class RolloutConfig:
                        "use a temperature > 0")
         if not 0 < self.top_p <= 1:
             raise _err("rollout.top_p", self.top_p, "must be in (0, 1]", "use 1.0 to disable")
-        if self.engine == "sglang" and not (self.sglang_urls or self.sglang_router_url):
-            raise _err("rollout.sglang_urls", self.sglang_urls, "engine=sglang needs servers",
-                       "list server URLs or set rollout.sglang_router_url")
+        if self.engine == "sglang" and not self.sglang_urls:
+            raise _err("rollout.sglang_urls", self.sglang_urls, "engine=sglang needs the servers' "
+                       "URLs (weight updates and pauses go to every server; a router does not "
+                       "relay them)", "list them, e.g. rollout.sglang_urls=[http://node1:30000]")
         for key in ("sglang_gpus_per_server", "sglang_ep_per_server", "sglang_rows_per_request",
                     "sglang_max_in_flight"):
             if getattr(self, key) < 1:
@@ -349,6 +396,18 @@ class RolloutConfig:
         if self.weight_sync not in ("disk", "distributed", "tensor"):
             raise _err("rollout.weight_sync", self.weight_sync, "is unknown",
                        "use disk, distributed or tensor")
+        if self.engine == "sglang" and self.weight_sync == "tensor":
+            raise _err("rollout.weight_sync", "tensor", "hands the servers CUDA IPC handles of "
+                       "trainer rank 0's GPU, which only servers on that node (colocated) can "
+                       "open, and colocated servers are not supported (they would share GPUs "
+                       "with the trainer without releasing their memory)",
+                       "run the servers on their own nodes (launch/submit.sh --sglang separate) "
+                       "and use rollout.weight_sync=distributed")
+        for key in ("sglang_startup_timeout_s", "sglang_generate_timeout_s",
+                    "sglang_update_timeout_s", "sglang_control_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise _err(f"rollout.{key}", getattr(self, key), "must be > 0",
+                           "give seconds (see conf/rollout/sglang.yaml)")
         if self.tensor_sync_format not in ("direct", "hf"):
             raise _err("rollout.tensor_sync_format", self.tensor_sync_format, "is unknown",
                        "use direct or hf")
@@ -455,6 +514,10 @@ class TrainerConfig:
     eval_interval: int = 0  # RL steps between held-out evaluations (0: only before and after)
     save_interval: int = 10  # RL steps between checkpoints (0: only at the end and on signals)
     keep_checkpoints: int = 2
+    # Optimizer moments in checkpoints: auto (dp_reshardable on GPUs: each rank writes its shard,
+    # nothing gathered, loads into another DP size; fully_reshardable on CPU) | dp_reshardable |
+    # fully_reshardable (gathered onto each DP group's rank 0: loads into any layout)
+    checkpoint_format: str = "auto"
     resume: str = "auto"  # auto (latest in the run directory, if any) | never | a checkpoint path
     max_consecutive_skips: int = 3  # non-finite updates in a row before the run stops
     nan_at_updates: list = field(default_factory=list)  # fault injection: NaN grads at these updates
@@ -468,6 +531,9 @@ class TrainerConfig:
         for key in ("lr", "sft_lr"):
             if getattr(self, key) <= 0:
                 raise _err(f"trainer.{key}", getattr(self, key), "must be > 0", "set a positive rate")
+        if self.checkpoint_format not in ("auto", "dp_reshardable", "fully_reshardable"):
+            raise _err("trainer.checkpoint_format", self.checkpoint_format, "is unknown",
+                       "use auto, dp_reshardable or fully_reshardable")
         if self.lr_schedule not in ("constant", "cosine"):
             raise _err("trainer.lr_schedule", self.lr_schedule, "is unknown", "use constant or cosine")
         for key in ("sft_steps", "eval_interval", "save_interval", "lr_warmup_steps"):
@@ -509,9 +575,6 @@ class ClusterConfig:
         if self.name not in ("local", "slurm"):
             raise _err("cluster.name", self.name, "is unknown", "use local or slurm")
         if self.name == "slurm":
-            if not self.partition:
-                raise _err("cluster.partition", self.partition, "cluster=slurm needs a partition",
-                           "set cluster.partition=<your partition>")
             for key in ("nodes", "gpus_per_node", "time_min"):
                 if getattr(self, key) < 1:
                     raise _err(f"cluster.{key}", getattr(self, key), "must be >= 1",
@@ -581,13 +644,59 @@ class JobConfig:
                            f"tokenizer's {CharTokenizer().vocab_size} ids", "raise model.vocab_size")
         return self
 
+    def check_starting_point(self) -> None:
+        """The trainer, the SGLang servers and the tokenizer start from one checkpoint: a
+        pretrained ``trainer.init_from`` is not fed the built-in tokenizer's ids, and with SGLang
+        the trainer starts from the weights (``trainer.init_from``) and the vocabulary
+        (``data.tokenizer``) the servers serve (``rollout.sglang_model_path``)."""
+        init, tok = self.trainer.init_from, self.data.tokenizer
+        hf_init = bool(init) and os.path.isfile(os.path.join(init, "config.json"))
+        if hf_init and tok == "builtin" and _tokenizer_files(init):
+            raise _err("data.tokenizer", tok, f"trainer.init_from={init} has its own tokenizer, "
+                       "and the built-in character tokenizer would feed the model ids of another "
+                       "vocabulary", f"set data.tokenizer={init}")
+        if self.rollout.engine != "sglang":
+            return
+        served = self.rollout.sglang_model_path
+        if not served:
+            raise _err("rollout.sglang_model_path", served, "engine=sglang needs the checkpoint "
+                       "the servers were started from", "set it to the servers' --model-path "
+                       "(launch/submit.sh --model-path sets it)")
+        if not init:
+            raise _err("trainer.init_from", init, f"the SGLang servers serve {served}, and the "
+                       "trainer would start from random weights", f"set trainer.init_from={served}")
+        if hf_init and not _same_path(init, served):
+            raise _err("trainer.init_from", init, "the trainer and the SGLang servers "
+                       f"(rollout.sglang_model_path={served}) would start from different weights",
+                       f"set trainer.init_from={served}")
+        if not os.path.isdir(served):
+            return  # not visible here: the servers check it (/model_info) at start-up
+        if tok == "builtin":
+            if _tokenizer_files(served):
+                raise _err("data.tokenizer", tok, f"the SGLang servers serve {served}, which has "
+                           "its own tokenizer", f"set data.tokenizer={served}")
+        elif not _same_path(tok, served):
+            differs = _tokenizer_difference(tok, served)
+            if differs:
+                raise _err("data.tokenizer", tok, f"its {differs} differs from the one of "
+                           f"rollout.sglang_model_path={served} (the servers' vocabulary)",
+                           f"set data.tokenizer={served}")
+
     def check_init_model(self) -> None:
-        """The model section must describe the checkpoint ``trainer.init_from`` holds."""
+        """The model section must describe the checkpoint ``trainer.init_from`` holds, and the
+        one the SGLang servers serve."""
+        self.check_starting_point()
+        checked = set()
+        for key, path in (("trainer.init_from", self.trainer.init_from),
+                          ("rollout.sglang_model_path", self.rollout.sglang_model_path
+                           if self.rollout.engine == "sglang" else "")):
+            if path and os.path.isdir(path) and os.path.realpath(path) not in checked:
+                checked.add(os.path.realpath(path))
+                self._check_model_against(key, path)
+
+    def _check_model_against(self, key: str, path: str) -> None:
         import json
 
-        path = self.trainer.init_from
-        if not path:
-            return
         if os.path.isfile(os.path.join(path, "config.json")):
             from megatron_gspo.hf_qwen3moe import model_config_from_hf
 
@@ -598,11 +707,12 @@ class JobConfig:
 
             saved = read_model_config(path)
         skip = {"name", "params_dtype", "init_method_std", "aux_loss_coeff",
-                "max_position_embeddings"}
+                "max_position_embeddings", "grouped_experts", "cpu_experts_kernel",
+                "activation_recompute"}
         for f in dataclasses.fields(ModelConfig):
             if f.name not in skip and getattr(saved, f.name) != getattr(self.model, f.name):
                 raise _err(f"model.{f.name}", getattr(self.model, f.name),
-                           f"trainer.init_from={path} holds {getattr(saved, f.name)!r}",
+                           f"{key}={path} holds {getattr(saved, f.name)!r}",
                            f"set model.{f.name}={getattr(saved, f.name)!r}")
 
     def behaviour_source(self, device_type: str) -> str:
@@ -639,9 +749,48 @@ class JobConfig:
             raise _err("trainer.micro_batch_size", self.trainer.micro_batch_size,
                        f"does not divide the {per_mb} rows of a mini-batch on each of {dp} "
                        "data-parallel ranks", "choose a divisor")
+        r = self.rollout
+        if r.engine == "sglang":
+            # A replica's other ranks wait in one broadcast while its leader waits for the
+            # servers, generates (in waves of max_in_flight requests) or updates weights.
+            waves = -(-rows // (r.sglang_rows_per_request * r.sglang_max_in_flight))
+            waits = {"rollout.sglang_startup_timeout_s": r.sglang_startup_timeout_s,
+                     f"{waves} x rollout.sglang_generate_timeout_s":
+                         waves * r.sglang_generate_timeout_s,
+                     "rollout.sglang_update_timeout_s": r.sglang_update_timeout_s}
+            what, longest = max(waits.items(), key=lambda kv: kv[1])
+            if self.parallel.timeout_s < longest:
+                raise _err("parallel.timeout_s", self.parallel.timeout_s, f"is shorter than "
+                           f"{what} ({longest:g} s), which the other ranks of a replica can "
+                           "wait for its leader", f"set parallel.timeout_s >= {longest:g}")
         if self.trainer.sft_steps and self.trainer.sft_batch_size % dp:
             raise _err("trainer.sft_batch_size", self.trainer.sft_batch_size,
                        f"does not split over {dp} data-parallel ranks", f"use a multiple of {dp}")
+
+
+# Files that define a Hugging Face tokenizer's vocabulary (its ids).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def _tokenizer_files(path: str) -> list:
+    return [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(path, n))]
+
+
+def _tokenizer_difference(a: str, b: str) -> str:
+    """The first vocabulary file in which tokenizer directories ``a`` and ``b`` differ, or ""."""
+    for name in TOKENIZER_FILES:
+        fa, fb = os.path.join(a, name), os.path.join(b, name)
+        if os.path.isfile(fa) != os.path.isfile(fb):
+            return f"{name} (in one of them only)"
+        if os.path.isfile(fa):
+            with open(fa, "rb") as x, open(fb, "rb") as y:
+                if x.read() != y.read():
+                    return name
+    return ""
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def register_configs() -> None:

@@ -169,6 +169,8 @@ class GroupedSequentialMLP(SequentialMLP):
     # ``_ExpertsSwiGLU`` through the C++ kernel (whole experts per OpenMP thread) where it builds
     # (``model.cpu_experts_kernel``; build_model sets it per layer).
     cpu_kernel = True
+    # Rows per expert group are padded to a multiple of this on CUDA (``pad_groups``).
+    cuda_group_rows = 16
 
     def _stacked_weights(self):
         """[E, in, out] stacks of the experts' fc1 and fc2 weights, transposed: made in every
@@ -250,7 +252,12 @@ class GroupedSequentialMLP(SequentialMLP):
             return _ExpertsSwiGLU.apply(x, permuted_probs, bounds, len(self.local_experts),
                                         kernel, *weights), None
         counts = torch.as_tensor(tokens_per_expert, device=x.device)
-        offsets = counts.cumsum(0).to(torch.int32)
+        multiple = self.cuda_group_rows if x.device.type == "cuda" else 1
+        rows_T = None
+        if multiple > 1:
+            x, permuted_probs, offsets, rows_T = pad_groups(x, permuted_probs, counts, multiple)
+        else:
+            offsets = counts.cumsum(0).to(torch.int32)
         w1, w2 = self._stacked_weights()
         h = grouped_linear(x, w1, offsets)
         c = self.config
@@ -265,7 +272,32 @@ class GroupedSequentialMLP(SequentialMLP):
         else:
             h = c.activation_func(h)
         h = (h * permuted_probs.unsqueeze(-1)).to(x.dtype)
-        return grouped_linear(h, w2, offsets), None
+        out = grouped_linear(h, w2, offsets)
+        return (out if rows_T is None else out.index_select(0, rows_T)), None
+
+
+def pad_groups(x_TH: torch.Tensor, probs_T: torch.Tensor, counts_E: torch.Tensor, multiple: int):
+    """Rows grouped by expert (``counts``) spread so that every group starts at, and spans, a
+    multiple of ``multiple`` rows, zero rows between: grouped_mm's bf16 backward on Hopper
+    contracts each group's rows for the weight gradient and needs them aligned (torchtitan pads
+    to 8 rows for bf16). The padded length is fixed by the shapes, ``round_up(T + E (multiple -
+    1), multiple)`` (the last group takes the rest), so nothing waits for the counts on the host.
+    Returns the padded rows and probabilities, the int32 group ends, and where each row went
+    (``out_padded.index_select(0, rows)`` gives the rows back in order). Zero rows add nothing
+    to any gradient."""
+    T, E = x_TH.shape[0], counts_E.shape[0]
+    total = -(-(T + E * (multiple - 1)) // multiple) * multiple
+    padded_E = (counts_E + multiple - 1) // multiple * multiple
+    ends_E = padded_E.cumsum(0)
+    starts_E = ends_E - padded_E
+    first_E = counts_E.cumsum(0) - counts_E
+    expert_T = torch.repeat_interleave(torch.arange(E, device=x_TH.device), counts_E,
+                                       output_size=T)
+    rows_T = starts_E[expert_T] + torch.arange(T, device=x_TH.device) - first_E[expert_T]
+    x_pad = x_TH.new_zeros(total, x_TH.shape[1]).index_copy(0, rows_T, x_TH)
+    probs_pad = probs_T.new_zeros(total).index_copy(0, rows_T, probs_T)
+    ends_E = torch.cat([ends_E[:-1], ends_E.new_full((1,), total)]).to(torch.int32)
+    return x_pad, probs_pad, ends_E, rows_T
 
 
 @contextlib.contextmanager

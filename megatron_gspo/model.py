@@ -82,6 +82,9 @@ def transformer_config(model: ModelConfig, ctx: ParallelContext, **overrides):
         gradient_accumulation_fusion=False,
         **moe,
     )
+    if model.activation_recompute == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

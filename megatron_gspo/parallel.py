@@ -8,11 +8,13 @@ world size and the model before any process group is created.
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import random
 import socket
 import subprocess
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import numpy as np
@@ -22,8 +24,8 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_gspo import comm, cpu_backend, intra_op
-from megatron_gspo.config import ModelConfig, ParallelConfig
+from megatron_gspo import comm, cpu_backend, intra_op, te
+from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -102,8 +104,21 @@ def _free_port() -> int:
 
 
 def resolve_device(cfg: ParallelConfig) -> torch.device:
+    """This rank's device; ``parallel.device=cuda`` without a visible GPU is a ``ConfigError``
+    (a GPU job never falls back to the CPU)."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ConfigError(
+            f"parallel.device='cuda': no CUDA GPU is visible to this process (torch "
+            f"{torch.__version__}, CUDA_VISIBLE_DEVICES={visible!r}); fix: ask the scheduler "
+            "for GPUs (launch/submit.sh --gpus-per-node) or set parallel.device=cpu")
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"parallel.device={cfg.device!r}: local rank {local_rank} has no GPU (this node "
+                f"shows {torch.cuda.device_count()}); fix: start at most that many ranks per "
+                "node (torchrun --nproc-per-node)")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -143,8 +158,9 @@ def init_parallel(cfg: ParallelConfig, model: ModelConfig, *, seed: Optional[int
     os.environ.update(env_from_slurm())
     device = resolve_device(cfg)
     world_size = world_size_from_env()
-    dp = cfg.validate(world_size, model, device_type=device.type)
+    dp = cfg.validate(world_size, model, device_type=device.type, have_te=te.HAVE_TE)
     backend = resolve_backend(cfg, device)
+    timeout = timedelta(seconds=cfg.timeout_s)
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -156,10 +172,10 @@ def init_parallel(cfg: ParallelConfig, model: ModelConfig, *, seed: Optional[int
 
     if not dist.is_initialized():
         if "RANK" in os.environ:
-            dist.init_process_group(backend=backend, init_method="env://")
+            dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
         else:
             dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                    rank=0, world_size=1)
+                                    rank=0, world_size=1, timeout=timeout)
         # A process that exits with its world still up has torch destroy the process group
         # during interpreter finalization, where gloo's work threads can abort it
         # ("terminate called without an active exception", SIGABRT after the work is done).
@@ -174,6 +190,7 @@ def init_parallel(cfg: ParallelConfig, model: ModelConfig, *, seed: Optional[int
         context_parallel_size=cfg.cp,
         expert_model_parallel_size=cfg.ep,
         expert_tensor_parallel_size=cfg.expert_tp,
+        distributed_timeout_minutes=max(1, math.ceil(cfg.timeout_s / 60)),
     )
     ctx = ParallelContext(
         world_size=world_size, rank=dist.get_rank(), device=device,
@@ -187,21 +204,21 @@ def init_parallel(cfg: ParallelConfig, model: ModelConfig, *, seed: Optional[int
         dp_rank=ps.get_data_parallel_rank(),
         edp_rank=ps.get_expert_data_parallel_rank(),
         pg=ProcessGroupCollection.use_mpu_process_groups(),
-        **_replica_groups(ps.get_data_parallel_rank(), dp, device),
+        **_replica_groups(ps.get_data_parallel_rank(), dp, device, timeout),
     )
     if seed is not None:
         seed_all(ctx, seed)
     return ctx
 
 
-def _replica_groups(dp_rank: int, dp: int, device: torch.device) -> dict:
+def _replica_groups(dp_rank: int, dp: int, device: torch.device, timeout: timedelta) -> dict:
     """One process group per model replica (the ranks that share a data-parallel index); every
     rank creates all of them, in the same order, as ``new_group`` requires."""
     owners = comm.gather_ints(dp_rank, device=device)
     mine = None
     for index in range(dp):
         ranks = tuple(r for r, d in enumerate(owners) if d == index)
-        group = dist.new_group(list(ranks))
+        group = dist.new_group(list(ranks), timeout=timeout)
         if index == dp_rank:
             mine = {"replica_ranks": ranks, "replica_group": group}
     return mine

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -31,7 +32,7 @@ from megatron_gspo import comm, cpu_backend, router_losses, te
 from megatron_gspo.advantages import (group_advantages, informative_groups, overlong_penalty,
                                       select_groups)
 from megatron_gspo.checkpoint import CheckpointError, CheckpointManager
-from megatron_gspo.config import JobConfig, job_to_dict
+from megatron_gspo.config import ConfigError, JobConfig, job_to_dict
 from megatron_gspo.correction import rollout_weights, weighted_advantages
 from megatron_gspo.data.prompts import PromptDataset, PromptRecord, read_prompt_file
 from megatron_gspo.data.synthetic import make_task
@@ -54,7 +55,8 @@ from megatron_gspo.rl_batch import (build_batch, exchange_rows, forward_only_lay
                                     micro_batch, packed_layouts, prompt_shares, round_up,
                                     route_targets, row_width, width_multiple)
 from megatron_gspo.rollout.local_engine import LocalEngine
-from megatron_gspo.rollout.sglang_engine import SGLangEngine, init_weights_update_group
+from megatron_gspo.rollout.sglang_engine import (RetryPolicy, SGLangEngine, SGLangError,
+                                                 init_weights_update_group)
 from megatron_gspo.rollout.sglang_layout import ServerLayout
 from megatron_gspo.rollout.share import share_samples
 from megatron_gspo.rollout.types import SamplingParams
@@ -478,9 +480,10 @@ def sync_weights(run: Run) -> None:
         # SGLang's servers join rank 0 of the trainer in one group for the broadcasts (NCCL on
         # GPUs; gloo on CPU, where only the test stand-in serves).
         run.sync_group = init_weights_update_group(
-            run.engine, master_address=socket.getfqdn(), master_port=r.weight_sync_port,
+            run.engine, master_address=sync_address(run.job), master_port=r.weight_sync_port,
             engine_gpus=[r.sglang_gpus_per_server] * len(run.engine.clients),
-            backend="nccl" if run.ctx.device.type == "cuda" else "gloo")
+            backend="nccl" if run.ctx.device.type == "cuda" else "gloo",
+            timeout_s=r.sglang_update_timeout_s)
     stats = run.engine.sync_from_model(
         run.gpt, run.job.model, run.ctx, mode=r.weight_sync,
         disk_dir=os.path.join(run.job.run_dir, "weight_sync"), group=run.sync_group,
@@ -568,6 +571,10 @@ def _local_layers(run: Run) -> list:
 def setup(job: JobConfig) -> Run:
     # Data and tokenizer first: a bad file ends the job before any process group or model.
     tokenizer = load_tokenizer(job.data.tokenizer)
+    if tokenizer.vocab_size > job.model.vocab_size:
+        raise ConfigError(f"data.tokenizer={job.data.tokenizer!r}: its {tokenizer.vocab_size} ids "
+                          f"do not fit model.vocab_size={job.model.vocab_size}; fix: use the "
+                          "model's own tokenizer (the checkpoint's directory)")
     train_data, eval_records = load_data(job)
     ctx = init_parallel(job.parallel, job.model, seed=job.seed)
     job.check_layout(ctx.dp)
@@ -581,12 +588,15 @@ def setup(job: JobConfig) -> Run:
     engine = make_engine(job, gpt, ctx, replay, tokenizer)
     logger = RunLogger(run_dir, enabled=ctx.rank == 0, tensorboard=job.logging.tensorboard,
                        progress=job.logging.progress, total_steps=job.trainer.steps)
+    if job.rollout.engine == "sglang":
+        connect_servers(job, engine, ctx, logger.say)
     run = Run(job=job, ctx=ctx, tokenizer=tokenizer, gpt=gpt, ddp=ddp, engine=engine, replay=replay,
               train_data=train_data, eval_records=eval_records,
               scorer=make_scorer(get_reward(job.data.reward), workers=job.data.reward_workers,
                                  timeout_s=job.data.reward_timeout_s),
               logger=logger, ckpt=CheckpointManager(os.path.join(run_dir, "checkpoints"), ctx,
-                                                    keep=job.trainer.keep_checkpoints),
+                                                    keep=job.trainer.keep_checkpoints,
+                                                    fmt=job.trainer.checkpoint_format),
               guard=NonFiniteGuard(job.trainer.max_consecutive_skips),
               signals=StopSignals().install())
     if routes_needed and job.logging.drift:
@@ -643,11 +653,59 @@ def make_engine(job: JobConfig, gpt, ctx, replay, tokenizer):
     moe_layers = [i for i, x in enumerate(m.moe_layer_pattern) if x]
     direct = (ServerLayout(m, tp=r.sglang_gpus_per_server, ep=r.sglang_ep_per_server)
               if r.weight_sync == "tensor" and r.tensor_sync_format == "direct" else None)
-    return SGLangEngine(r.sglang_urls or [r.sglang_router_url], num_hidden_layers=m.num_layers,
+    retry = RetryPolicy(timeout_s=r.sglang_control_timeout_s,
+                        generate_timeout_s=r.sglang_generate_timeout_s,
+                        update_timeout_s=r.sglang_update_timeout_s)
+    return SGLangEngine(r.sglang_urls, num_hidden_layers=m.num_layers,
                         top_k=m.top_k, moe_layers=moe_layers, return_routes=r.return_routes,
                         router_url=r.sglang_router_url, rows_per_request=r.sglang_rows_per_request,
-                        max_in_flight=r.sglang_max_in_flight,
-                        server_tp=r.sglang_gpus_per_server, direct=direct)
+                        max_in_flight=r.sglang_max_in_flight, retry=retry,
+                        server_tp=r.sglang_gpus_per_server, direct=direct,
+                        first_server=ctx.dp_rank)
+
+
+def connect_servers(job: JobConfig, engine, ctx: ParallelContext, say) -> None:
+    """SGLang: every replica's leader waits until each server generates (they load for minutes
+    while the trainer starts) and checks that each serves ``rollout.sglang_model_path``; every
+    rank agrees on the outcome before the first weight sync."""
+    r = job.rollout
+    problem, config_problem = None, None
+    if ctx.is_replica_leader:
+        t0 = time.perf_counter()
+        try:
+            engine.wait_ready(r.sglang_startup_timeout_s)
+            for url, served in engine.model_paths().items():
+                if os.path.normpath(served) != os.path.normpath(r.sglang_model_path):
+                    config_problem = (f"rollout.sglang_model_path={r.sglang_model_path!r}: the "
+                                      f"server at {url} serves {served!r}; fix: start every "
+                                      "server from the trainer's checkpoint, or name the one "
+                                      "they serve")
+                    break
+        except SGLangError as e:
+            problem = str(e)
+        if ctx.rank == 0 and problem is None and config_problem is None:
+            say(f"sglang: {len(engine.clients)} server(s) ready after "
+                f"{time.perf_counter() - t0:.1f} s, serving {r.sglang_model_path}")
+    if comm.any_rank(config_problem is not None, device=ctx.device):
+        raise ConfigError(config_problem or "rollout.sglang_model_path: a server serves another "
+                          "checkpoint (named in its replica leader's log)")
+    if comm.any_rank(problem is not None, device=ctx.device):
+        raise SGLangError(problem or "an SGLang server is not ready (named in its replica "
+                          "leader's log)")
+
+
+def sync_address(job: JobConfig) -> str:
+    """The address SGLang's servers reach trainer rank 0 at for the weight-update group:
+    ``rollout.weight_sync_address``, else the address of this host's interface that routes to
+    the first server (a connected UDP socket sends nothing; a host name can resolve to another
+    interface, or not at all, on the servers' nodes)."""
+    r = job.rollout
+    if r.weight_sync_address:
+        return r.weight_sync_address
+    host = urllib.parse.urlparse(r.sglang_urls[0]).hostname or "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
 
 
 def build_rl_optimizer(run: Run) -> None:

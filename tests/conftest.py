@@ -150,3 +150,22 @@ def layout_runs(tiny_hf_checkpoint, unnormalised_checkpoint, layout_tokens, gspo
         for (n, key), per_rank in zip(slots, run_layouts(world, cases)):
             out.setdefault(n, {})[key] = per_rank
     return out
+
+
+# Qwen/Qwen3-30B-A3B's config.json as published (the values the model reads; no weights).
+QWEN3_30B_A3B_CONFIG = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+    hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+    tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645,
+)
+
+
+@pytest.fixture(scope="session")
+def qwen3_30b_dir(tmp_path_factory):
+    """A directory holding Qwen3-30B-A3B's config.json alone: enough to plan and validate."""
+    path = tmp_path_factory.mktemp("qwen3_30b_a3b")
+    (path / "config.json").write_text(json.dumps(QWEN3_30B_A3B_CONFIG))
+    return str(path)

@@ -15,7 +15,9 @@ with ``logprob_shifts`` it reports perturbed log-probs (a response's all shifted
 known amount per sequence. Test hooks: POST /_fault {"mode": "500"|"hang"|"drop"|"malformed",
 "count": n} fails the next n requests; GET /_stats reports requests in flight (now and at most),
 /generate requests and rows served, the rows of each decoding batch (one per sampling-params
-group of a batch), the tensor payloads read and the bytes each TP rank received per tensor name.
+group of a batch), the tensor payloads read, the bytes each TP rank received per tensor name and
+the POSTs received per path (faulted ones too). ``startup_delay_s``: like a server loading its
+checkpoint, nothing listens for the first half, then everything but /model_info answers 503.
 Runs in its own process: ``start(hf_dir, ...)`` returns (url, process)."""
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+PROCESS_START = time.monotonic()  # a server's start-up delay counts from its start
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
                  "sampling_seed", "n", "stop", "min_p", "ignore_eos"}
 
@@ -148,7 +151,8 @@ def from_ranks(ranks: list, like: dict, cfg, tp: int, ep: int = 1) -> dict:
     return hf
 
 
-def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
+def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts, host="127.0.0.1", port=0,
+           startup_delay_s=0.0, stats_file=None):
     import warnings
 
     import torch
@@ -163,6 +167,7 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
     from moe.replay import RoutingReplay
     from tests.model_workers import tiny_model_config
 
+    started = PROCESS_START
     cfg = tiny_model_config(hf_dir)
     ctx = init_parallel(ParallelConfig(), cfg, seed=0)
     torch.manual_seed(int.from_bytes(os.urandom(8), "little") % (2**63))  # random sampling
@@ -175,7 +180,7 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
     state = {"fault": None, "count": 0, "paused": False, "version": "default", "group": None,
              "released": set(), "calls": [], "in_flight": 0, "max_in_flight": 0,
              "generate_requests": 0, "rows": 0, "tensor_payloads": [], "rank_tensors": {},
-             "batches": []}
+             "batches": [], "refused_loading": 0}
     moe_layers = [i for i, x in enumerate(cfg.moe_layer_pattern) if x]
 
     def params_of(sp):
@@ -363,12 +368,27 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
                 self._reply(200, "{not json", raw=True)
             return mode is not None
 
+        def _loading(self):
+            """Like a server still loading its checkpoint: 503 to everything but /model_info."""
+            if time.monotonic() - started >= startup_delay_s or self.path == "/model_info":
+                return False
+            with counters:
+                state["refused_loading"] += 1
+            self._reply(503, {"error": {"message": "the server is starting"}})
+            return True
+
         def do_GET(self):
+            if self._loading():
+                return
             if self.path == "/_stats":
                 keys = ("in_flight", "max_in_flight", "generate_requests", "rows",
                         "tensor_payloads", "rank_tensors", "batches", "version")
+                posts = {}
+                for path in state["calls"]:
+                    posts[path] = posts.get(path, 0) + 1
                 return self._reply(200, {**{k: state[k] for k in keys},
-                                         "generate_posts": state["calls"].count("/generate")})
+                                         "generate_posts": state["calls"].count("/generate"),
+                                         "posts": posts})
             if self._fault():
                 return
             if self.path in ("/health", "/health_generate"):
@@ -385,6 +405,8 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
                 body = json.loads(self.rfile.read(length) or b"{}")
             except json.JSONDecodeError as e:
                 return self._reply(400, {"object": "error", "message": str(e), "code": 400})
+            if self._loading():
+                return
             state["calls"].append(self.path)
             if self.path == "/_fault":
                 with counters:
@@ -411,6 +433,8 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
                 finally:
                     with counters:
                         state["in_flight"] -= 1
+                        if stats_file:
+                            write_stats()
             if self.path == "/pause_generation":
                 state["paused"] = True
                 return self._reply(200, {"success": True})
@@ -477,9 +501,46 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts):
                 return self._reply(200, {"success": True})
             self._reply(404, {"error": {"message": f"no route {self.path}"}})
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    ready.put(server.server_address[1])
+    def write_stats():
+        tmp = f"{stats_file}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"generate_requests": state["generate_requests"], "rows": state["rows"],
+                       "version": state["version"], "model_path": hf_dir,
+                       "refused_loading": state["refused_loading"]}, f)
+        os.replace(tmp, stats_file)
+
+    # Half the start-up delay with nothing listening (connections refused), then answering 503.
+    time.sleep(max(0.0, startup_delay_s / 2 - (time.monotonic() - started)))
+    server = ThreadingHTTPServer((host, port), Handler)
+    if ready is not None:
+        ready.put(server.server_address[1])
     server.serve_forever()
+
+
+def main(argv=None) -> None:
+    """``python -m tests.sglang_standin`` with ``sglang.launch_server``'s flags (the ones
+    launch/sglang_server.sh passes), so that the launch scripts start it as they start SGLang;
+    and the stand-in's own: ``--latency-s`` per /generate, ``--startup-delay-s`` before it
+    generates, ``--deterministic``, ``--stats-dir`` (a JSON file of its counters per server,
+    written after every /generate)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--ep-size", type=int, default=1)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--skip-tokenizer-init", action="store_true")
+    ap.add_argument("--enable-return-routed-experts", action="store_true")
+    ap.add_argument("--latency-s", type=float, default=0.0)
+    ap.add_argument("--startup-delay-s", type=float, default=0.0)
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--stats-dir", default=None)
+    a = ap.parse_args(argv)
+    stats = (os.path.join(a.stats_dir, f"{a.host}_{a.port}.json") if a.stats_dir else None)
+    _serve(a.model_path, None, a.tp_size, a.deterministic, a.latency_s, (), host=a.host,
+           port=a.port, startup_delay_s=a.startup_delay_s, stats_file=stats)
 
 
 def start(hf_dir: str, *, tp: int = 1, deterministic: bool = False, latency_s: float = 0.0,
@@ -622,3 +683,7 @@ def trainer_sync_job(hf_dir, cases, prompts):
                     "model_bytes": sum(p.numel() * p.element_size() for p in gpt.parameters())})
         destroy_parallel(keep_process_group=True)
     return out
+
+
+if __name__ == "__main__":
+    main()

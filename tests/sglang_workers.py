@@ -64,7 +64,7 @@ def sglang_jobs(cfgs: list) -> list:
 
 def job(hf_dir: str, url: str, run_dir: str, **over) -> dict:
     cfg = merge(SGLANG_JOB, over)
-    cfg["rollout"] = {**cfg["rollout"], "sglang_urls": [url]}
+    cfg["rollout"] = {"sglang_model_path": hf_dir, **cfg["rollout"], "sglang_urls": [url]}
     cfg["trainer"] = {**cfg["trainer"], "init_from": hf_dir}
     cfg["run_dir"] = os.path.join(run_dir)
     return cfg

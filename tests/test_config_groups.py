@@ -14,10 +14,10 @@ from megatron_gspo.config import ConfigError, job_from_dict, register_configs
 
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 GROUPS = ["model", "parallel", "algo", "rollout", "replay", "data", "trainer", "logging", "cluster"]
-# Options that need values only the user has (servers, files, a partition), filled in for checks.
+# Options that need values only the user has (servers, files), filled in for checks; the
+# checkpoint SGLang serves (and the trainer starts from) is filled in by ``validate``.
 FILL = {"rollout=sglang": ["rollout.sglang_urls=[http://127.0.0.1:30000]"],
-        "data=files": ["data.files=[prompts.jsonl]"],
-        "cluster=slurm": ["cluster.partition=gpu"]}
+        "data=files": ["data.files=[prompts.jsonl]"]}
 
 
 def options(group):
@@ -43,8 +43,33 @@ def fill(overrides):
     return out
 
 
+SERVED = {}  # model section -> a directory holding its HF config.json (no weights)
+
+
+def served_checkpoint(model: dict) -> str:
+    """A directory with a config.json of ``model``'s shape: what SGLang servers of a job serve."""
+    import json
+    import tempfile
+
+    from megatron_gspo.config import ModelConfig
+    from megatron_gspo.hf_qwen3moe import hf_config_from_model
+
+    key = json.dumps(model, sort_keys=True)
+    if key not in SERVED:
+        SERVED[key] = tempfile.mkdtemp(prefix="served_")
+        with open(os.path.join(SERVED[key], "config.json"), "w") as f:
+            json.dump(hf_config_from_model(ModelConfig(**model)), f)
+    return SERVED[key]
+
+
 def validate(data):
-    """What the trainer checks before it starts (files are only opened later)."""
+    """What the trainer checks before it starts (files are only opened later). A job with
+    SGLang servers trains the checkpoint they serve."""
+    rollout = data.get("rollout") or {}
+    if rollout.get("engine") == "sglang" and not rollout.get("sglang_model_path"):
+        path = served_checkpoint(data["model"])
+        data["rollout"]["sglang_model_path"] = path
+        data["trainer"]["init_from"] = data["trainer"].get("init_from") or path
     return job_from_dict(data)
 
 
@@ -106,11 +131,12 @@ def test_arms_and_experiments_compose(composer):
             job = validate(composer([f"+experiment={experiment}", f"+arm={arm}"]))
             assert job.behaviour_source("cpu") == "recompute", (experiment, arm)
     big = validate(composer(fill(["+experiment=qwen3_30b_a3b", "+arm=gspo", "data=files",
-                                  "rollout=sglang", "cluster.partition=gpu"])))
+                                  "rollout=sglang"])))
     assert big.model.name == "qwen3_30b_a3b" and big.rollout.engine == "sglang"
     assert (big.parallel.tp, big.parallel.ep, big.algo.minibatches) == (2, 8, 4)
     assert (big.algo.clip_low, big.algo.clip_high) == (3e-4, 4e-4)
-    assert big.parallel.validate(32, big.model, device_type="cuda") == 16
+    assert big.parallel.device == "cuda" and big.model.activation_recompute == "full"
+    assert big.parallel.validate(32, big.model, device_type="cuda", have_te=True) == 16
 
 
 INVALID = [  # (overrides, key the message must name)
@@ -140,9 +166,12 @@ INVALID = [  # (overrides, key the message must name)
     (["rollout.weight_sync=nfs"], "rollout.weight_sync"),
     (["rollout.tensor_sync_format=npz"], "rollout.tensor_sync_format"),
     (["rollout.sglang_ep_per_server=3"], "rollout.sglang_ep_per_server"),  # 8 GPUs per server
-    (["rollout=sglang", "rollout.sglang_urls=[http://h:1]", "rollout.weight_sync=tensor",
-      "rollout.tensor_sync_format=direct", "rollout.sglang_gpus_per_server=16"],
-     "rollout.sglang_gpus_per_server"),  # 4 heads
+    (["rollout=sglang", "rollout.sglang_urls=[http://h:1]", "rollout.weight_sync=tensor"],
+     "rollout.weight_sync"),  # CUDA IPC handles: colocated servers only (refused)
+    (["rollout=sglang", "rollout.sglang_urls=[http://h:1]", "rollout.sglang_generate_timeout_s=0"],
+     "rollout.sglang_generate_timeout_s"),
+    (["trainer.checkpoint_format=zip"], "trainer.checkpoint_format"),
+    (["model.activation_recompute=selective"], "model.activation_recompute"),
     (["data.task=multiply"], "data.task"),
     (["data=files"], "data.files"),
     (["data.reward=bleu"], "data.reward"),
@@ -154,8 +183,7 @@ INVALID = [  # (overrides, key the message must name)
     (["model.top_k=9"], "model.top_k"),
     (["model.vocab_size=64"], "model.vocab_size"),  # smaller than the built-in tokenizer
     (["model.params_dtype=float16"], "model.params_dtype"),
-    (["cluster=slurm"], "cluster.partition"),
-    (["cluster=slurm", "cluster.partition=gpu", "cluster.signal_s=999999"], "cluster.signal_s"),
+    (["cluster=slurm", "cluster.signal_s=999999"], "cluster.signal_s"),
 ]
 
 
@@ -177,6 +205,10 @@ LAYOUT_INVALID = [  # (overrides, world size, key)
     (["trainer.micro_batch_size=24"], 2, "trainer.micro_batch_size"),
     # 16 prompts on 8 ranks: 2 each, not 4 mini-batches of whole groups
     (["algo.minibatch_split=groups", "trainer.micro_batch_size=4"], 8, "algo.minibatch_split"),
+    (["parallel.timeout_s=0"], 1, "parallel.timeout_s"),
+    # the other ranks of a replica wait longer than that for their leader's /generate
+    (["rollout=sglang", "rollout.sglang_urls=[http://h:1]", "parallel.timeout_s=600"], 1,
+     "parallel.timeout_s"),
 ]
 
 

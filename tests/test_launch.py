@@ -1,7 +1,8 @@
-"""launch/ on a fake cluster: srun, scontrol, sbatch and torchrun on PATH are small scripts that
-record their arguments and act like SLURM and torchrun would (srun runs its command for one node
-and passes SIGUSR2 on; torchrun starts a "trainer" that can checkpoint-and-requeue on a signal).
-Also the lints: shellcheck on every script, hadolint on the Dockerfile."""
+"""launch/ on a fake cluster: srun, scontrol and sbatch on PATH (tests/fake_slurm.py) and a fake
+torchrun that starts a "trainer" which can checkpoint-and-requeue on a signal: the commands, the
+resources asked for, the requeue logic, the dry run of the Qwen3-30B-A3B recipe. The real
+trainer on an emulated two-node job is tests/test_cluster_job.py. Also the lints: shellcheck on
+every script, hadolint on the Dockerfile."""
 
 import os
 import shutil
@@ -12,39 +13,11 @@ import time
 
 import pytest
 
+from tests import fake_slurm
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(ROOT, "launch")
 VENV_BIN = os.path.dirname(sys.executable)
-
-FAKE_SRUN = r"""#!/usr/bin/env bash
-# fake srun: record the call, run the command (after the options) as node 0, honour --output,
-# pass SIGUSR2 / SIGTERM on to it like srun does.
-echo "srun $*" >> "$FAKE_LOG"
-out=/dev/stdout
-while [[ "$1" == --* ]]; do
-  case "$1" in --output=*) out="${1#--output=}" ;; esac
-  shift
-done
-SLURM_NODEID=0 SLURM_NNODES=1 "$@" >> "$out" 2>&1 &
-child=$!
-trap 'kill -USR2 $child' USR2
-trap 'kill -TERM $child' TERM
-while true; do wait $child; code=$?; kill -0 $child 2>/dev/null || break; done
-exit $code
-"""
-
-FAKE_SCONTROL = r"""#!/usr/bin/env bash
-if [[ "$1 $2" == "show hostnames" ]]; then
-  for i in $(seq 1 "${FAKE_NODES:-2}"); do echo "gpu-$i"; done
-else
-  echo "scontrol $*" >> "$FAKE_LOG"
-fi
-"""
-
-FAKE_SBATCH = r"""#!/usr/bin/env bash
-echo "sbatch $*" >> "$FAKE_LOG"
-echo "Submitted batch job 4242"
-"""
 
 # fake torchrun: record the call; start one "rank" (python) that, per FAKE_MODE, finishes, fails,
 # or waits for SIGUSR2 and then writes the trainer's REQUEUE marker and exits 75. torchrun itself
@@ -82,10 +55,7 @@ exit 1
 def cluster(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("sbatch", FAKE_SBATCH),
-                       ("torchrun", FAKE_TORCHRUN)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
+    fake_slurm.install(bin_dir, torchrun=FAKE_TORCHRUN)
     log = tmp_path / "calls.log"
     log.write_text("")
     env = dict(os.environ, PATH=f"{bin_dir}:{VENV_BIN}:{os.environ['PATH']}", FAKE_LOG=str(log),
@@ -113,6 +83,8 @@ def test_finished_training_is_not_requeued(cluster):
     assert "scontrol requeue" not in calls
     srun = [c for c in calls.splitlines() if c.startswith("srun")][0]
     assert "--nodes=1" in srun and "--ntasks-per-node=1" in srun and "--nodelist=gpu-1" in srun
+    # the step asks for its node's GPUs and cores itself (srun does not inherit --cpus-per-task)
+    assert "--gpus-per-node=8" in srun and "--cpus-per-task=64" in srun
     torchrun = [c for c in calls.splitlines() if c.startswith("torchrun")][0]
     for part in ("--nnodes=1", "--node-rank=0", "--nproc-per-node=8", "--rdzv-backend=c10d",
                  "--rdzv-endpoint=gpu-1:29500", "--rdzv-id=777", "-m megatron_gspo",
@@ -173,37 +145,74 @@ def test_submit_checks_options_and_builds_sbatch(cluster):
     assert out.returncode == 0, out.stderr
     call = [c for c in log.read_text().splitlines() if c.startswith("sbatch")][0]
     for part in ("--nodes=1", "--time=01:00:00", "--signal=B:USR2@120", "--requeue",
-                 "--partition=gpu", "train.sbatch parallel.ep=2 trainer.micro_batch_size=8"):
+                 "--partition=gpu", "--gpus-per-node=2", "--cpus-per-task=16", "--exclusive",
+                 "--mem=0", "train.sbatch parallel.ep=2 trainer.micro_batch_size=8"):
         assert part in call, (part, call)
 
 
-def test_dry_run_of_the_qwen3_30b_recipe_on_4_nodes(cluster):
+def test_colocated_servers_are_refused_with_the_reason(cluster):
     env, log, tmp = cluster
-    env = dict(env, FAKE_NODES="4")
+    out = subprocess.run(["bash", os.path.join(LAUNCH, "submit.sh"), "--nodes", "2", "--sglang",
+                          "colocated", "--model-path", "/m", "--partition", "gpu"], cwd=ROOT,
+                         env=env, capture_output=True, text=True)
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1
+    assert "--sglang colocated is not supported" in out.stderr and "--sglang separate" in out.stderr
+    assert log.read_text() == ""
+
+
+def test_the_fake_sbatch_refuses_a_job_without_resources(cluster):
+    """The acceptance of the resource lines is real: the same fake that takes submit.sh's jobs
+    refuses one that asks for no GPUs, cores or memory."""
+    env, log, tmp = cluster
+    for missing, flags in (("GPUs", ["--cpus-per-task=8", "--exclusive"]),
+                           ("cores", ["--gpus-per-node=8", "--mem=0"]),
+                           ("memory", ["--gpus-per-node=8", "--cpus-per-task=8"])):
+        out = subprocess.run(["sbatch", "--nodes=1", *flags, "x.sbatch"], env=env,
+                             capture_output=True, text=True)
+        assert out.returncode == 1 and f"asks for no {missing}" in out.stderr, (flags, out.stderr)
+
+
+def test_dry_run_of_the_qwen3_30b_recipe_on_6_nodes(cluster, qwen3_30b_dir):
+    """4 training nodes x 8 GPUs and SGLang servers on 2 more nodes, trained from the
+    checkpoint it names: the plan, then every command, nothing submitted."""
+    env, log, tmp = cluster
+    env = dict(env, FAKE_NODES="6")
+    prompts = tmp / "train.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     out = subprocess.run(
-        ["bash", os.path.join(LAUNCH, "submit.sh"), "--dry-run", "--nodes", "4", "--gpus-per-node",
+        ["bash", os.path.join(LAUNCH, "submit.sh"), "--dry-run", "--nodes", "6", "--gpus-per-node",
          "8", "--container-image", "/images/megatron-gspo.sqsh", "--container-mounts",
-         "/data:/data", "--sglang", "colocated", "--sglang-ep", "2", "--model-path",
-         "/models/Qwen3-30B-A3B", "--run-dir", "/shared/q30", "--", "+experiment=qwen3_30b_a3b", "+arm=grpo_r2",
-         "cluster.partition=gpu", "data.files=[/data/train.parquet]"],
+         "/data:/data", "--sglang", "separate", "--sglang-nodes", "2", "--sglang-ep", "2",
+         "--model-path", qwen3_30b_dir, "--run-dir", "/shared/q30", "--",
+         "+experiment=qwen3_30b_a3b", "+arm=grpo_r2", f"data.files=[{prompts}]"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     text = out.stdout
+    assert ("placement: 6 node(s) x 8 GPUs: trainer on 4 node(s) (32 ranks); SGLang on 2 node(s), "
+            "one server per node (tp 8, ep 2)") in text
     assert "world 32 = tp 2 x pp 1 x cp 1 x dp 16; experts: ep 8 x etp 1 (16 of 128" in text
     assert "algo grpo, replay r2, engine sglang" in text
+    assert "memory per GPU (estimate): parameters 8.2 GiB (bfloat16)" in text
+    assert "timeouts: process groups 10800 s" in text
     assert "world size 32, rendezvous gpu-1" in text
     assert "--container-image=/images/megatron-gspo.sqsh" in text
     assert "--container-mounts=/data:/data" in text
+    sbatch = [line for line in text.splitlines() if line.startswith("+ sbatch")][0]
+    for part in ("--nodes=6", "--gpus-per-node=8", "--cpus-per-task=64", "--exclusive"):
+        assert part in sbatch, part
     torchruns = [line for line in text.splitlines() if "torchrun" in line]
     assert len(torchruns) == 4
     for rank, line in enumerate(torchruns):
         assert f"--node-rank={rank}" in line and "--nnodes=4" in line
         assert "--nproc-per-node=8" in line and "--rdzv-endpoint=gpu-1:29500" in line
-    assert text.count("sglang.launch_server") == 4
+        for part in (f"trainer.init_from={qwen3_30b_dir}", f"data.tokenizer={qwen3_30b_dir}",
+                     f"rollout.sglang_model_path={qwen3_30b_dir}", "rollout.sglang_ep_per_server=2"):
+            assert part in line, part
+    servers = [line for line in text.splitlines() if "srun" in line and "sglang_server" in line]
+    assert len(servers) == 1 and "--nodes=2" in servers[0] and "--nodelist=gpu-5\\,gpu-6" in servers[0]
+    assert "sglang.launch_server" in text and "--tp-size 8 --ep-size 2" in text
     assert "--enable-return-routed-experts" in text
-    assert text.count("--tp-size 8 --ep-size 2") == 4
-    assert "rollout.sglang_ep_per_server=2" in text
-    assert "rollout.sglang_urls=\\[http://gpu-1:30000\\,http://gpu-2:30000" in text
+    assert "rollout.sglang_urls=\\[http://gpu-5:30000\\,http://gpu-6:30000\\]" in text
     assert log.read_text() == ""  # nothing was submitted or run
 
 
@@ -218,8 +227,8 @@ def test_submit_smoke_sends_the_image_check_as_a_one_node_job(cluster):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     call = [c for c in log.read_text().splitlines() if c.startswith("sbatch")][0]
-    for part in ("--nodes=1", "--gpus=1", "--partition=gpu", "--container-image=/images/mg.sqsh",
-                 "bash docker/smoke.sh"):
+    for part in ("--nodes=1", "--gpus-per-node=1", "--partition=gpu",
+                 "--container-image=/images/mg.sqsh", "bash docker/smoke.sh"):
         assert part in call, (part, call)
     assert "train.sbatch" not in call
 

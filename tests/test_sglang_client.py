@@ -29,7 +29,8 @@ def server(tiny_hf_checkpoint):
 def engine(url, **kw):
     # tiny HF model: 4 layers, the first dense; top-2
     return SGLangEngine([url], num_hidden_layers=4, top_k=2, moe_layers=[1, 2, 3],
-                        retry=RetryPolicy(attempts=3, backoff_s=0.05, timeout_s=1.5), **kw)
+                        retry=RetryPolicy(attempts=3, backoff_s=0.05, timeout_s=1.5,
+                                          generate_timeout_s=1.5, update_timeout_s=30), **kw)
 
 
 def test_generate_with_logprobs_and_routes(server):
@@ -182,3 +183,38 @@ def test_sync_from_a_megatron_layout(server, tiny_hf_checkpoint, perturbed_check
     assert result["stats"].buckets > 1 and len(os.listdir(tmp_path / "sync")) == \
         result["stats"].buckets + 2  # one shard per bucket, the index, config.json
     e.update_weights_from_disk(tiny_hf_checkpoint)
+
+
+def test_weight_updates_are_sent_once_and_generation_is_retried(server):
+    """A failed weight-update call is not repeated (a second /update_weights_from_distributed
+    would wait for a broadcast that never comes); /generate and control calls are retried; each
+    kind of call has its own timeout."""
+    client = SGLangClient(server)
+    before = client.request("GET", "/_stats")["posts"].get("/update_weights_from_disk", 0)
+    client.post("/_fault", {"mode": "500", "count": 1})
+    e = engine(server)
+    with pytest.raises(SGLangError, match=r"update_weights_from_disk failed \(a weight update is "
+                                          r"sent once, never retried\): HTTP 500"):
+        e.clients[0].post("/update_weights_from_disk", {"model_path": "/x"})
+    posts = client.request("GET", "/_stats")["posts"]
+    assert posts["/update_weights_from_disk"] == before + 1
+    policy = RetryPolicy(timeout_s=7, generate_timeout_s=3600, update_timeout_s=900)
+    c = SGLangClient(server, policy)
+    assert c._policy("/generate") == (4, 3600)
+    assert c._policy("/update_weights_from_distributed") == (1, 900)
+    assert c._policy("/init_weights_update_group") == (1, 900)
+    assert c._policy("/pause_generation") == (4, 7)
+    client.post("/_fault", {"mode": "500", "count": 1})  # the generation's retry succeeds
+    assert len(e.generate(PROMPTS[:1], 1, GREEDY)) == 1
+
+
+def test_wait_ready_gives_up_with_the_server_named():
+    e = SGLangEngine([f"http://127.0.0.1:{_free_port()}"], num_hidden_layers=4, top_k=2,
+                     moe_layers=[1, 2, 3], retry=RetryPolicy(timeout_s=0.2))
+    with pytest.raises(SGLangError, match=r"127\.0\.0\.1:\d+: not ready after 0\.3 s"):
+        e.wait_ready(0.3)
+
+
+def test_the_server_reports_its_checkpoint(server, tiny_hf_checkpoint):
+    assert engine(server).model_paths() == {server: tiny_hf_checkpoint}
+

@@ -46,7 +46,8 @@ def deterministic(tiny_hf_checkpoint):
 
 
 def engine(url, **kw):
-    kw.setdefault("retry", RetryPolicy(attempts=3, backoff_s=0.05, timeout_s=1.5))
+    kw.setdefault("retry", RetryPolicy(attempts=3, backoff_s=0.05, timeout_s=1.5,
+                                       generate_timeout_s=1.5, update_timeout_s=30))
     return SGLangEngine([url], num_hidden_layers=4, top_k=2, moe_layers=[1, 2, 3], **kw)
 
 
@@ -181,17 +182,17 @@ def _free_port():
 
 
 def test_trainer_layouts_with_sglang(random_tp2, deterministic, tiny_hf_checkpoint, tmp_path):
-    """TP=2+SP (tensor sync to a TP=2 server, R3 routes from the server), PP=2 (distributed
-    sync), CP=2 (disk sync): 2 RL steps each; then the same DP=2 run twice against a
-    deterministic server."""
+    """TP=2+SP (distributed sync, R3 routes from the server), PP=2 (distributed sync), CP=2
+    (disk sync): 2 RL steps each; then the same DP=2 run twice against a deterministic
+    server."""
     from tests.sglang_workers import job, sglang_jobs
 
     hf = tiny_hf_checkpoint
     jobs = [
         job(hf, random_tp2, str(tmp_path / "tp2"), parallel={"tp": 2, "sequence_parallel": True},
-            rollout={"weight_sync": "tensor", "tensor_sync_format": "direct",
-                     "sglang_gpus_per_server": 2,
-                     "return_routes": True}, replay={"mode": "r3"}),
+            rollout={"weight_sync": "distributed", "sglang_gpus_per_server": 1,
+                     "weight_sync_port": _free_port(), "return_routes": True},
+            replay={"mode": "r3"}),
         job(hf, deterministic, str(tmp_path / "pp2"), parallel={"pp": 2},
             rollout={"weight_sync": "distributed", "sglang_gpus_per_server": 1,
                      "weight_sync_port": _free_port()}),

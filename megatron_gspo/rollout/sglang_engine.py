@@ -59,11 +59,25 @@ def require_sglang(what: str) -> None:
         raise ImportError(f"{what} needs sglang, which is not installed: {INSTALL_HINT}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RetryPolicy:
+    """Retries and timeouts of one server's calls, per kind of endpoint. ``timeout_s`` bounds one
+    attempt of a control call (health, pause, continue, flush, model info, memory), which is
+    retried; ``generate_timeout_s`` one batched ``/generate`` (minutes for long responses),
+    also retried; ``update_timeout_s`` one weight-update call, which is sent once: a repeated
+    ``/update_weights_from_distributed`` would wait for a broadcast that never comes, and a
+    repeated group join or reload is no safer."""
+
     attempts: int = 4
     backoff_s: float = 0.5  # doubled after every failed attempt
-    timeout_s: float = 120.0
+    timeout_s: float = 60.0
+    generate_timeout_s: float = 3600.0
+    update_timeout_s: float = 1800.0
+
+
+# Calls that change a server's weights (or its weight-update group): sent once, never retried.
+UPDATE_ENDPOINTS = ("/update_weights_from_disk", "/update_weights_from_distributed",
+                    "/update_weights_from_tensor", "/init_weights_update_group")
 
 
 class SGLangClient:
@@ -73,16 +87,25 @@ class SGLangClient:
         self.url = url.rstrip("/")
         self.retry = retry or RetryPolicy()
 
+    def _policy(self, path: str) -> tuple[int, float]:
+        """(attempts, seconds per attempt) of a call to ``path``."""
+        if path in UPDATE_ENDPOINTS:
+            return 1, self.retry.update_timeout_s
+        if path == "/generate":
+            return self.retry.attempts, self.retry.generate_timeout_s
+        return self.retry.attempts, self.retry.timeout_s
+
     def request(self, method: str, path: str, payload: Optional[dict] = None, *,
                 expect_json: bool = True, timeout_s: Optional[float] = None):
         data = None if payload is None else json.dumps(payload).encode()
         last = "no attempt made"
         delay = self.retry.backoff_s
-        for attempt in range(1, self.retry.attempts + 1):
+        attempts, default_timeout = self._policy(path)
+        for attempt in range(1, attempts + 1):
             req = urllib.request.Request(self.url + path, data=data, method=method,
                                          headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=timeout_s or self.retry.timeout_s) as r:
+                with urllib.request.urlopen(req, timeout=timeout_s or default_timeout) as r:
                     body = r.read()
                 if not expect_json:
                     return body.decode(errors="replace")
@@ -100,27 +123,46 @@ class SGLangClient:
                 last = f"{type(reason).__name__}: {reason}"
             except OSError as e:  # e.g. connection reset while reading the body
                 last = f"{type(e).__name__}: {e}"
-            if attempt < self.retry.attempts:
+            if attempt < attempts:
                 time.sleep(delay)
                 delay *= 2
-        raise SGLangError(f"{method} {self.url}{path} failed after {self.retry.attempts} attempts: "
-                          f"{last}")
+        if attempts == 1:
+            raise SGLangError(f"{method} {self.url}{path} failed (a weight update is sent once, "
+                              f"never retried): {last}")
+        raise SGLangError(f"{method} {self.url}{path} failed after {attempts} attempts: {last}")
 
     # -- endpoints --------------------------------------------------------------------------------
     def healthy(self) -> bool:
+        """One probe of ``/health_generate`` (200 once the server generates), not retried."""
+        req = urllib.request.Request(self.url + "/health_generate", method="GET")
         try:
-            self.request("GET", "/health_generate", expect_json=False, timeout_s=30)
+            with urllib.request.urlopen(req, timeout=self.retry.timeout_s) as r:
+                r.read()
             return True
-        except SGLangError:
+        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, OSError):
             return False
 
-    def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 2.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+    def wait_ready(self, timeout_s: float = 1800.0, poll_s: float = 2.0, *,
+                   deadline: Optional[float] = None) -> None:
+        """Poll ``/health_generate`` until the server generates (it answers 503, or nothing,
+        while it loads), at most ``timeout_s`` (or until the ``time.monotonic`` deadline)."""
+        deadline = time.monotonic() + timeout_s if deadline is None else deadline
+        while True:
             if self.healthy():
                 return
-            time.sleep(poll_s)
-        raise SGLangError(f"{self.url}: not healthy after {timeout_s:g} s")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SGLangError(f"{self.url}: not ready after {timeout_s:g} s (GET "
+                                  "/health_generate never answered 200; is the server up, and "
+                                  "is its log free of errors?)")
+            time.sleep(min(poll_s, left))
+
+    def model_path(self) -> str:
+        """The checkpoint the server was started from (``/model_info``'s ``model_path``)."""
+        info = self.request("GET", "/model_info")
+        if not isinstance(info, dict) or "model_path" not in info:
+            raise SGLangError(f"GET {self.url}/model_info: no model_path in the reply")
+        return str(info["model_path"])
 
     def generate(self, input_ids: Sequence[Sequence[int]], params: SamplingParams, *,
                  seeds: Optional[Sequence[int]] = None,
@@ -226,7 +268,7 @@ class SGLangEngine:
                  moe_layers: Sequence[int], return_routes: bool = False,
                  retry: Optional[RetryPolicy] = None, router_url: Optional[str] = None,
                  rows_per_request: int = 64, max_in_flight: int = 32, server_tp: int = 1,
-                 direct: Optional[ServerLayout] = None):
+                 direct: Optional[ServerLayout] = None, first_server: int = 0):
         if not urls:
             raise ValueError("SGLangEngine needs at least one server URL")
         if rows_per_request < 1 or max_in_flight < 1 or server_tp < 1:
@@ -240,6 +282,9 @@ class SGLangEngine:
             raise ValueError(f"direct layout for tp={direct.tp}, servers have tp={server_tp}")
         self.server_tp, self.direct = server_tp, direct
         self.weight_version = 0
+        # Round-robin over the servers across calls, each replica's leader from its own
+        # starting server: leaders' requests spread over every server from the first call on.
+        self._next_server = first_server % len(self.clients)
         if self.router is not None:
             self.register_workers()
 
@@ -253,9 +298,15 @@ class SGLangEngine:
     def health(self) -> bool:
         return all(c.healthy() for c in self.clients)
 
-    def wait_ready(self, timeout_s: float = 600.0) -> None:
+    def wait_ready(self, timeout_s: float = 1800.0) -> None:
+        """Every server generates, within ``timeout_s`` in all (servers load in parallel)."""
+        deadline = time.monotonic() + timeout_s
         for c in self.clients:
-            c.wait_ready(timeout_s)
+            c.wait_ready(timeout_s, deadline=deadline)
+
+    def model_paths(self) -> dict:
+        """server URL -> the checkpoint it was started from."""
+        return {c.url: c.model_path() for c in self.clients}
 
     def generate(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int,
                  params: SamplingParams, *, first_row: int = 0) -> list[Sample]:
@@ -270,9 +321,11 @@ class SGLangEngine:
         size = self.rows_per_request
         chunks = [range(a, min(a + size, len(rows))) for a in range(0, len(rows), size)]
         want_routes = self.routes_shape is not None
+        servers = [(self._next_server + j) % len(self.clients) for j in range(len(chunks))]
+        self._next_server = (self._next_server + len(chunks)) % len(self.clients)
 
         def request(j: int) -> list:
-            client = self.router or self.clients[j % len(self.clients)]
+            client = self.router or self.clients[servers[j]]
             part = chunks[j]
             return client.generate([rows[r][1] for r in part], params,
                                    seeds=None if seeds is None else [seeds[r] for r in part],

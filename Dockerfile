@@ -56,8 +56,8 @@ RUN pip install --no-cache-dir --requirement docker/requirements.txt
 COPY setup.py README.md ./
 COPY megatron_gspo ./megatron_gspo
 COPY moe ./moe
-RUN pip install --no-cache-dir --no-deps ./
 COPY conf ./conf
+RUN pip install --no-cache-dir --no-deps ./
 COPY launch ./launch
 COPY tools ./tools
 COPY benchmarks ./benchmarks

@@ -39,15 +39,15 @@ def _report(line: str) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
+    # Megatron logs at INFO as its modules load (Hydra's logging shows INFO) and for every
+    # parameter group: before the imports below.
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     from megatron_gspo import faults, trainer
     from megatron_gspo.data.prompts import PromptDataError
     from megatron_gspo.data.tokenizer import TokenizerError
     from megatron_gspo.parallel import destroy_parallel
 
-    # Megatron logs every parameter group at INFO and warns about each missing optional kernel.
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     try:
         job = job_from_omegaconf(cfg)
         trainer.train(job)

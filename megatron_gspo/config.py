@@ -846,9 +846,43 @@ def job_from_dict(data: dict) -> JobConfig:
         except TypeError as e:
             raise ConfigError(f"{name}: {e}") from None
     job = JobConfig(**parts, seed=int(data.get("seed", 1234)), run_dir=str(data.get("run_dir", ".")))
+    if job.model.name == FROM_CHECKPOINT:
+        job.model = model_from_checkpoint(job)
     job.validate()
     job.check_init_model()
     return job
+
+
+FROM_CHECKPOINT = "from_checkpoint"
+# What a checkpoint's config.json decides under model=from_checkpoint; the rest (dtype, kernels,
+# recompute, router options outside the HF format) stays the job's.
+SHAPE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+              "head_dim", "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts", "top_k",
+              "norm_topk_prob", "first_k_dense", "rms_norm_eps", "rope_theta",
+              "max_position_embeddings", "aux_loss_coeff")
+
+
+def model_from_checkpoint(job: JobConfig) -> ModelConfig:
+    """``model=from_checkpoint``: the model's shape read from the Hugging Face checkpoint the job
+    starts from (``trainer.init_from``, else ``rollout.sglang_model_path``)."""
+    import json
+
+    from megatron_gspo.hf_qwen3moe import HFCheckpointError, model_config_from_hf
+
+    path = job.trainer.init_from or job.rollout.sglang_model_path
+    config = os.path.join(path, "config.json") if path else ""
+    if not config or not os.path.isfile(config):
+        raise _err("model", FROM_CHECKPOINT, "reads the model's shape from the config.json of "
+                   f"trainer.init_from, and {path or 'it'!r} has none",
+                   "set trainer.init_from to a Hugging Face checkpoint directory, or pick a "
+                   "model group option")
+    try:
+        with open(config) as f:
+            shape = model_config_from_hf(json.load(f), name=os.path.basename(path.rstrip("/")))
+    except (HFCheckpointError, ValueError) as e:
+        raise _err("model", FROM_CHECKPOINT, f"{config}: {e}", "use a Qwen3-MoE checkpoint") from None
+    return dataclasses.replace(job.model, name=shape.name,
+                               **{k: getattr(shape, k) for k in SHAPE_KEYS})
 
 
 def job_from_omegaconf(node) -> JobConfig:

@@ -291,9 +291,13 @@ def _adam_step_apply() -> None:
     without TE / apex) copies every state key of the live optimizer from the checkpoint, including
     Adam's per-param ``step``, which the checkpoint keeps in the param groups instead: KeyError.
     The states the checkpoint has are copied; ``step`` is restored from the param groups as before.
+    The copies run without autograd: fp32 main parameters are views of the model's parameters
+    (which require grad), and the ``dp_reshardable`` loader, unlike the others, calls this outside
+    ``torch.no_grad``.
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    @torch.no_grad()
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
         if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
             return original(self, model_param, tensors)

@@ -80,6 +80,9 @@ def transformer_config(model: ModelConfig, ctx: ParallelContext, **overrides):
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        # megatron-core 0.16's default ("full") warns that it is deprecated; [] means the same
+        # (the whole layer, were CUDA graphs on).
+        cuda_graph_scope=[],
         **moe,
     )
     if model.activation_recompute == "full":

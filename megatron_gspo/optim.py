@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,14 @@ def wrap_ddp(gpt, ctx: ParallelContext, *, use_distributed_optimizer: bool = Tru
     gpt.config.finalize_model_grads_func = finalize_model_grads
     gpt.config.no_sync_func = ddp.no_sync
     return ddp
+
+
+# Megatron's zero_grad asks every fp32 main parameter for its ``.grad`` with ``hasattr``; where
+# the main parameters are views of the model's fp32 parameters (fp32 training: every CPU run)
+# torch warns on each view that a non-leaf's ``.grad`` is never filled. Megatron reads, never
+# relies on, it: an expected warning of this path, silenced at the one module that raises it.
+warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf",
+                        category=UserWarning, module=r"megatron\.core\.optimizer\.optimizer")
 
 
 def build_optimizer(ddp, ctx: ParallelContext, cfg: OptimConfig):

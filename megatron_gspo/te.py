@@ -16,6 +16,29 @@ except Exception:  # ImportError, or a CUDA library missing at import time
 
 INSTALL_HINT = "install Transformer Engine with `pip install -e .[gpu]` (needs CUDA)"
 
+# What megatron-core warns at import, once per module, when Transformer Engine or apex is missing
+# (six warnings, twelve lines of stderr before anything of ours on every start). Without them
+# it takes its local layers and torch's optimizer: expected here, said once in the layout line
+# (``describe``); any other warning still shows.
+KNOWN_FALLBACK_WARNINGS = (r"Transformer Engine and Apex are not installed",
+                           r"Apex is not installed\. Falling back to Torch Norm")
+
+
+def quiet_known_fallbacks() -> None:
+    """Ignore exactly the known fallback warnings (``KNOWN_FALLBACK_WARNINGS``)."""
+    import warnings
+
+    for message in KNOWN_FALLBACK_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+
+
+def describe(device_type: str) -> str:
+    """Which layers run, for the layout line."""
+    if use_te_spec(device_type):
+        return "Transformer Engine layers"
+    why = "CPU" if device_type == "cpu" else "no Transformer Engine"
+    return f"megatron-core local layers ({why}), torch optimizer"
+
 
 def require_te(what: str) -> None:
     if not HAVE_TE:

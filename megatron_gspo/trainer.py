@@ -604,9 +604,10 @@ def setup(job: JobConfig) -> Run:
     if job.algo.kl_coef > 0:
         run.ref_model = build_model(m, ctx)
     rl_router_losses(run)
-    logger.say(f"layout: {ctx.describe()}; model {m.name}: {m.num_layers} layers, "
-               f"{m.num_experts} experts top-{m.top_k}; algo {job.algo.name}, replay "
-               f"{job.replay.mode}, engine {job.rollout.engine}; run dir {run_dir}")
+    logger.say(f"layout: {ctx.describe()} ({te.describe(ctx.device.type)}); model {m.name}: "
+               f"{m.num_layers} layers, {m.num_experts} experts top-{m.top_k}; algo "
+               f"{job.algo.name}, replay {job.replay.mode}, engine {job.rollout.engine}; run dir "
+               f"{run_dir}")
     _save_config(job, run_dir, ctx.rank)
     return run
 

@@ -14,7 +14,8 @@
 #     math-verify==0.9.0 latex2sympy2_extended==1.11.0 hydra-submitit-launcher==1.2.0 submitit==1.5.4
 #
 # Steps: the main job on the GPU in bf16 (20 RL steps of the tiny model, world size 1 under
-# NCCL); the grouped-GEMM experts against Megatron's SequentialMLP in bf16; 3 RL steps each of GRPO+R2, GRPO+R3 with token TIS, GSPO-token with dynamic sampling and
+# NCCL); the cluster recipe's trainer path (torchrun, parallel.device=cuda, a HF checkpoint,
+# full activation recompute, dp_reshardable checkpoints and a resume); the grouped-GEMM experts against Megatron's SequentialMLP in bf16; 3 RL steps each of GRPO+R2, GRPO+R3 with token TIS, GSPO-token with dynamic sampling and
 # masked overlong responses, GSPO with seq MIS and the HF export at the end; one RL step of a ~1B-parameter MoE with 512-token responses (tokens/s and model TFLOP/s
 # of the update phase); scripts/gpu_check.py (forward+backward throughput of the same model); the
 # tests marked gpu. Each step's output also goes to DEVICE_CHECK_LOG_DIR/STEP.log when it is set.
@@ -83,7 +84,32 @@ variants() {  # 3 RL steps of each algorithm / replay / batch option on the GPU,
 }
 export -f variants
 
+recipe_path() {  # the cluster recipe's trainer path on one GPU: torchrun, parallel.device=cuda,
+  # a HF checkpoint to start from, full activation recompute, dp_reshardable checkpoints, resume
+  local src run_dir; src=$(mktemp -d); run_dir=$(mktemp -d)
+  python3 -m megatron_gspo parallel.device=cuda model.params_dtype=bfloat16 trainer.steps=1 \
+    trainer.sft_steps=20 trainer.export_hf_at_end=true logging.progress=false \
+    hydra.run.dir="$src" > /dev/null || return
+  local job=(parallel.device=cuda model.params_dtype=bfloat16 model.activation_recompute=full
+             trainer.init_from="$src/hf" trainer.sft_steps=0 trainer.save_interval=2
+             logging.progress=false hydra.run.dir="$run_dir")
+  torchrun --standalone --nproc-per-node 1 -m megatron_gspo "${job[@]}" trainer.steps=2 || return
+  torchrun --standalone --nproc-per-node 1 -m megatron_gspo "${job[@]}" trainer.steps=4 \
+    > "$run_dir/resume.log" 2>&1 || { tail -20 "$run_dir/resume.log"; return 1; }
+  grep "resumed from" "$run_dir/resume.log" | grep -q "step_000002" || return
+  python3 - "$run_dir" <<'PY'
+import json, sys
+state = json.load(open(sys.argv[1] + "/checkpoints/step_000004/trainer_state.json"))
+assert state["optimizer_format"] == "dp_reshardable", state["optimizer_format"]
+rows = [json.loads(line) for line in open(sys.argv[1] + "/metrics.jsonl")]
+print("recipe path: steps", [r["step"] for r in rows if "train/loss" in r],
+      "from a HF checkpoint, recompute full, dp_reshardable checkpoints, resumed at step 2")
+PY
+}
+export -f recipe_path
+
 step "main job" 240 main_job   # tiny MoE, bf16, 20 RL steps, NCCL world of one
+step "recipe path" 240 recipe_path   # the cluster recipe's trainer settings, resumed once
 step "grouped experts" 90 python3 -c "
 from tests.distributed import run_ranks
 from tests.grouped_workers import experts_equal_job

@@ -149,3 +149,257 @@ def test_two_node_job_with_separate_servers_trains_the_checkpoint(checkpoint, tm
     for name, s in per_server.items():
         assert s["generate_requests"] >= 2 and s["model_path"] == model, (name, s)
     assert sum(s["refused_loading"] for s in per_server.values()) > 0  # asked while loading
+
+
+def plan(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "tools.plan_layout", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env=env or dict(os.environ, PYTHONWARNINGS="ignore"))
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "train.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    return str(path)
+
+
+def test_plan_of_the_qwen3_30b_recipe_on_4_nodes(qwen3_30b_dir, prompts_file):
+    """Validates with the checkpoint's config.json (no weights) and prints the memory per GPU;
+    its parameter count is transformers' Qwen3MoeForCausalLM's, built on the meta device."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tests.conftest import QWEN3_30B_A3B_CONFIG
+
+    out = plan("--nodes", "4", "--gpus-per-node", "8", "--model-path", qwen3_30b_dir, "--",
+               "+experiment=qwen3_30b_a3b", "+arm=gspo", f"data.files=[{prompts_file}]")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "placement: 4 node(s) x 8 GPUs: trainer on 4 node(s) (32 ranks); rollout engine sglang"
+    assert "world 32 = tp 2 x pp 1 x cp 1 x dp 16" in lines[1]
+    with torch.device("meta"):
+        hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**QWEN3_30B_A3B_CONFIG))
+    named = dict(hf.named_parameters())
+    total = sum(p.numel() for p in named.values())
+    assert f"({total / 1e9:.2f} B parameters)" in lines[1]
+    # this rank's parameters: experts over ep 8, the rest (embeddings too) over tp 2; bf16
+    experts = sum(p.numel() for n, p in named.items() if ".experts." in n)
+    per_rank = experts / 8 + (total - experts) / 2
+    memory = [line for line in lines if line.startswith("memory per GPU")][0]
+    assert f"parameters {2 * per_rank / 2**30:.1f} GiB (bfloat16)" in memory
+    assert f"gradients {4 * per_rank / 2**30:.1f}," in memory  # fp32 main_grad
+    # Adam's 12 bytes per parameter, dense over dp 16 and experts over 32 / 8 = 4 replicas
+    dense = (total - experts) / 2
+    assert f"optimizer {12 * (dense / 16 + experts / 8 / 4) / 2**30:.1f} " in memory
+    assert "recompute full" in memory and float(memory.split("total ")[1].split(" GiB")[0]) < 80
+    assert any(line.startswith("host memory per rank at a checkpoint (estimate): ")
+               and "dp_reshardable" in line for line in lines)
+    assert f"weight sync: {2 * total / 1e9:.2f} GB per step (distributed" in out.stdout
+    assert ("timeouts: process groups 10800 s; SGLang start-up 1800 s, /generate 3600 s (retried), "
+            "weight update 1800 s (never retried), other calls 60 s (retried)") in out.stdout
+
+
+def test_plan_refuses_a_layout_that_cannot_fit(qwen3_30b_dir, prompts_file):
+    """The recipe on one node of 40 GiB GPUs: the experts' Adam state alone is 43 GiB."""
+    out = plan("--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gb", "40", "--model-path",
+               qwen3_30b_dir, "--", "+experiment=qwen3_30b_a3b", "+arm=gspo",
+               f"data.files=[{prompts_file}]")
+    assert out.returncode == 2 and out.stdout == ""
+    assert len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("config error: the job does not fit: about ")
+    assert "optimizer 42.7" in out.stderr and "> 40 GiB; fix: more tp/ep/pp" in out.stderr
+
+
+def _tokenizer_dir(path, words):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token=words[0]).save_pretrained(str(path))
+    return str(path)
+
+
+def test_trainer_servers_and_tokenizer_must_start_from_one_checkpoint(qwen3_30b_dir, prompts_file,
+                                                                      tmp_path):
+    """Each disagreement is one line and exit 2, before anything is queued or built."""
+    import shutil
+
+    served = tmp_path / "served"
+    shutil.copytree(qwen3_30b_dir, served)
+    _tokenizer_dir(served, ["<eos>", "a", "b"])
+    other = tmp_path / "other"
+    shutil.copytree(served, other)
+    _tokenizer_dir(tmp_path / "other_tok", ["<eos>", "c"])
+    recipe = ["+experiment=qwen3_30b_a3b", "+arm=gspo", f"data.files=[{prompts_file}]",
+              "rollout.sglang_urls=[http://h:30000]", f"rollout.sglang_model_path={served}"]
+    cases = [
+        ([f"trainer.init_from={other}", f"data.tokenizer={served}"],
+         f"trainer.init_from='{other}': the trainer and the SGLang servers "
+         f"(rollout.sglang_model_path={served}) would start from different weights"),
+        ([f"trainer.init_from={served}"],  # the character tokenizer with a pretrained model
+         f"data.tokenizer='builtin': trainer.init_from={served} has its own tokenizer"),
+        ([f"trainer.init_from={served}", f"data.tokenizer={tmp_path / 'other_tok'}"],
+         f"data.tokenizer='{tmp_path / 'other_tok'}': its tokenizer.json differs"),
+        ([f"data.tokenizer={served}"],  # random weights against pretrained servers
+         f"trainer.init_from='': the SGLang servers serve {served}, and the trainer would "
+         "start from random weights"),
+    ]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    for i, (extra, message) in enumerate(cases):
+        # every case through the plan tool; the first also through the trainer's entry point
+        for cmd in (["-m", "tools.plan_layout", "--nodes", "4", "--gpus-per-node", "8", "--"],
+                    ["-m", "megatron_gspo"])[:1 if i else 2]:
+            out = subprocess.run([sys.executable, *cmd, *recipe, *extra], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=120)
+            assert out.returncode == 2, (cmd, extra, out.stderr)
+            assert out.stderr.splitlines() == [out.stderr.strip()], out.stderr
+            assert out.stderr.startswith(f"config error: {message}"), (out.stderr, message)
+
+
+def test_a_server_serving_another_checkpoint_ends_the_job_with_one_line(tiny_hf_checkpoint,
+                                                                         tmp_path):
+    """The config agrees with itself, but the server (asked at start-up, /model_info) serves
+    another checkpoint: one line, exit 2, before the first weight sync."""
+    import shutil
+
+    from tests.sglang_standin import start
+    from tests.sglang_workers import SGLANG_JOB
+    from tests.trainer_workers import merge, to_overrides
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_hf_checkpoint, copy)
+    url, proc = start(tiny_hf_checkpoint)
+    try:
+        cfg = merge(SGLANG_JOB, {"rollout": {"sglang_urls": [url], "sglang_model_path": str(copy)},
+                                 "trainer": {"init_from": str(copy)}})
+        out = subprocess.run([sys.executable, "-m", "megatron_gspo", *to_overrides(cfg),
+                              f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    finally:
+        proc.kill()
+        proc.join()
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [
+        f"config error: rollout.sglang_model_path='{copy}': the server at {url} serves "
+        f"'{tiny_hf_checkpoint}'; fix: start every server from the trainer's checkpoint, or name "
+        "the one they serve"], out.stderr
+
+
+def test_a_gpu_job_without_a_gpu_is_one_line():
+    out = subprocess.run([sys.executable, "-m", "megatron_gspo", "parallel.device=cuda"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES=""))
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [out.stderr.strip()] and out.stderr.startswith(
+        "config error: parallel.device='cuda': no CUDA GPU is visible to this process"), out.stderr
+
+
+def group_timeouts_job(timeout_s: float) -> dict:
+    """Seconds of the process groups' timeouts after ``init_parallel``: the world, this rank's
+    replica group, and Megatron's data-parallel and tensor-parallel groups."""
+    import torch
+
+    from megatron_gspo.config import ModelConfig, ParallelConfig
+    from megatron_gspo.parallel import destroy_parallel, init_parallel
+
+    def seconds(group):
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+    import torch.distributed as dist
+
+    ctx = init_parallel(ParallelConfig(timeout_s=timeout_s), ModelConfig(), seed=0)
+    out = {"world": seconds(dist.group.WORLD), "replica": seconds(ctx.replica_group),
+           "dp": seconds(ctx.dp_group), "tp": seconds(ctx.tp_group)}
+    destroy_parallel(keep_process_group=True)
+    return out
+
+
+def test_process_groups_take_the_configured_timeout():
+    from tests.distributed import run_ranks
+
+    out = run_ranks(group_timeouts_job, 2, 7250.0)
+    for per_rank in out:
+        assert per_rank["world"] == per_rank["replica"] == 7250.0
+        assert per_rank["dp"] == per_rank["tp"] == 121 * 60  # Megatron's groups: whole minutes
+
+
+def test_the_installed_package_runs_from_any_directory(tmp_path):
+    """``pip install .`` (not editable) of a clean copy of the checkout into a fresh virtual
+    environment, then ``megatron-gspo`` from a directory outside it: the config groups ship in
+    the package. The environment borrows this one's installed dependencies (no download) but
+    not its editable install of the project."""
+    import sysconfig
+
+    src = tmp_path / "src"
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+                           ).stdout.decode().split("\0")
+    for name in filter(None, files):
+        if os.path.isfile(os.path.join(ROOT, name)):
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            (src / name).write_bytes(open(os.path.join(ROOT, name), "rb").read())
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                              "['purelib'])"], capture_output=True, text=True, check=True).stdout.strip()
+    deps = sysconfig.get_paths()["purelib"]
+    with open(os.path.join(purelib, "borrowed_dependencies.pth"), "w") as f:
+        f.write(deps + "\n")  # a path line: the editable install's own .pth there is not read
+    # What `pip install .` does: build the wheel (with this environment's setuptools, offline),
+    # then install it.
+    wheel = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
+                            "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
+                           capture_output=True, text=True, timeout=300)
+    assert wheel.returncode == 0, wheel.stderr[-3000:]
+    [built] = os.listdir(tmp_path / "dist")
+    install = subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--no-deps",
+                              str(tmp_path / "dist" / built)], capture_output=True, text=True,
+                             timeout=300)
+    assert install.returncode == 0, install.stderr[-3000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)
+    where = subprocess.run([str(py), "-c", "import megatron_gspo, megatron_gspo.config as c; "
+                            "print(megatron_gspo.__file__); print(c.conf_dir())"], cwd=elsewhere,
+                           capture_output=True, text=True, env=env, timeout=120)
+    package, conf = where.stdout.split()
+    assert package.startswith(purelib) and conf == os.path.join(purelib, "megatron_gspo", "conf")
+    out = subprocess.run([str(venv / "bin" / "megatron-gspo"), "trainer.steps=1",
+                          "trainer.sft_steps=1", "data.eval_size=4", "rollout.prompts_per_step=4",
+                          "rollout.group_size=2", "algo.minibatches=1", "trainer.micro_batch_size=8",
+                          "logging.drift=false",
+                          "hydra.run.dir=run"], cwd=elsewhere, capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "held-out accuracy: " in out.stdout and (elsewhere / "run" / "metrics.jsonl").is_file()
+
+
+def test_full_activation_recompute_changes_no_number(tmp_path):
+    """model.activation_recompute=full (the 30B recipe's) reruns each layer's forward in the
+    backward: the warm-up and an RL step log the same numbers as without it."""
+    import torch
+
+    from megatron_gspo.config import ModelConfig
+    from megatron_gspo.model import transformer_config
+    from megatron_gspo.parallel import ParallelContext
+    from tests.distributed import run_ranks
+    from tests.trainer_workers import SHORT, merge, train_job
+
+    one = ParallelContext(world_size=1, rank=0, device=torch.device("cpu"), tp=1, pp=1, ep=1, cp=1,
+                          etp=1, dp=1, sequence_parallel=False, tp_rank=0, pp_rank=0, ep_rank=0,
+                          cp_rank=0, etp_rank=0, dp_rank=0, edp_rank=0, pg=None)
+    c = transformer_config(ModelConfig(activation_recompute="full"), one)
+    assert (c.recompute_granularity, c.recompute_method, c.recompute_num_layers) == (
+        "full", "uniform", 1)
+    assert transformer_config(ModelConfig(), one).recompute_granularity is None
+    runs = {}
+    for mode in ("none", "full"):
+        cfg = merge(SHORT, {"model": {"activation_recompute": mode}, "run_dir": str(tmp_path / mode),
+                            "trainer": {"steps": 1}, "logging": {"drift": False}})
+        runs[mode] = [{k: v for k, v in r.items() if not k.startswith("perf/")}
+                      for r in run_ranks(train_job, 1, cfg)[0]["rows"]]
+    assert any("train/loss" in r for r in runs["none"])
+    assert runs["full"] == runs["none"]

@@ -66,10 +66,12 @@ def validate(data):
     """What the trainer checks before it starts (files are only opened later). A job with
     SGLang servers trains the checkpoint they serve."""
     rollout = data.get("rollout") or {}
+    if data["model"].get("name") == "from_checkpoint" and not data["trainer"].get("init_from"):
+        data["trainer"]["init_from"] = served_checkpoint({})  # the model's shape comes from it
     if rollout.get("engine") == "sglang" and not rollout.get("sglang_model_path"):
-        path = served_checkpoint(data["model"])
+        path = data["trainer"].get("init_from") or served_checkpoint(data["model"])
         data["rollout"]["sglang_model_path"] = path
-        data["trainer"]["init_from"] = data["trainer"].get("init_from") or path
+        data["trainer"]["init_from"] = path
     return job_from_dict(data)
 
 
@@ -255,3 +257,15 @@ AUTO_SOURCES = [  # (overrides, device, where ``algo.old_logprobs=auto`` takes t
                          ids=[" ".join(o) + " " + d for o, d, _ in AUTO_SOURCES])
 def test_behaviour_logprobs_source(composer, overrides, device, source):
     assert validate(composer(overrides)).behaviour_source(device) == source
+
+
+def test_model_from_checkpoint_reads_the_shape_from_its_config(composer, qwen3_30b_dir):
+    job = validate(composer(["model=from_checkpoint", f"trainer.init_from={qwen3_30b_dir}",
+                             "model.activation_recompute=full"]))
+    m = job.model
+    assert (m.num_layers, m.num_experts, m.top_k, m.vocab_size, m.hidden_size) == (
+        48, 128, 8, 151936, 2048)
+    assert m.params_dtype == "bfloat16" and m.activation_recompute == "full"  # the job's own
+    with pytest.raises(ConfigError, match=r"^model='from_checkpoint': reads the model's shape "):
+        job_from_dict(composer(["model=from_checkpoint"]))
+

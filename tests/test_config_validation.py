@@ -75,3 +75,15 @@ def test_unknown_key_is_named():
 
     with pytest.raises(ConfigError, match=r"^tensor_parallel=2: .*fix: use one of tp, pp"):
         to_dataclass(ParallelConfig, {"tensor_parallel": 2})
+
+
+def test_context_parallel_on_gpus_needs_transformer_engine():
+    """Without TE the SDPA fallback would build a dense mask over the whole packed row; on CPU it
+    stays (the tests run it), on a GPU it is refused."""
+    layout = ParallelConfig(cp=2)
+    assert layout.validate(2, MOE, device_type="cpu") == 1
+    assert layout.validate(2, MOE, device_type="cuda", have_te=True) == 1
+    with pytest.raises(ConfigError, match=r"^parallel\.cp=2: context parallelism on GPUs needs "
+                                          r"Transformer Engine.*fix: install Transformer Engine"):
+        layout.validate(2, MOE, device_type="cuda", have_te=False)
+

@@ -64,12 +64,18 @@ def uninterrupted(tmp_path_factory):
     return read_metrics(run_dir)
 
 
-def test_sigkill_then_resume_is_bitwise_identical(uninterrupted, tmp_path):
-    proc = launch(RESUME_CFG, tmp_path)
+@pytest.mark.parametrize("fmt", ["auto", "dp_reshardable"])
+def test_sigkill_then_resume_is_bitwise_identical(uninterrupted, tmp_path, fmt):
+    """auto: fully_reshardable moments on CPU; dp_reshardable: each rank's own shard, the GPU
+    default."""
+    cfg = merge(RESUME_CFG, {"trainer": {"checkpoint_format": fmt}})
+    proc = launch(cfg, tmp_path)
     wait_for_step(proc, tmp_path, 3)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    code, out, err = finish(launch(RESUME_CFG, tmp_path))
+    with open(tmp_path / "checkpoints" / "step_000003" / "trainer_state.json") as f:
+        assert json.load(f)["optimizer_format"] == {"auto": "fully_reshardable"}.get(fmt, fmt)
+    code, out, err = finish(launch(cfg, tmp_path))
     assert code == 0, err[-3000:]
     assert "resumed from" in out
     assert comparable(read_metrics(tmp_path)) == comparable(uninterrupted)
@@ -191,3 +197,43 @@ def test_checkpoint_loads_into_one_rank(ep2_run, tmp_path, capfd):
     assert "its moments restart" in capfd.readouterr().err
     rows = [r for r in one["rows"] if "train/loss" in r]
     assert [r["step"] for r in rows] == [3] and rows[0]["minibatch/ratio_mean"][0] == 1.0
+
+
+@pytest.fixture(scope="module")
+def dp2_run(tmp_path_factory):
+    """A 3-step DP=2 run saving its moments dp_reshardable (each rank its own shard)."""
+    root = tmp_path_factory.mktemp("dp2")
+    cfg = merge(SHORT, {"seed": 5, "trainer": {"steps": 3, "checkpoint_format": "dp_reshardable"}})
+    out = run_ranks(train_job, 2, merge(cfg, {"run_dir": str(root)}))[0]
+    return cfg, root / "checkpoints" / "step_000002", out
+
+
+def test_dp_reshardable_moments_load_into_another_data_parallel_size(dp2_run, tmp_path, capfd):
+    """DP=2 -> 1 rank: the moments load (no warning) and the next step matches the DP=2 run's."""
+    cfg, src, two = dp2_run
+    capfd.readouterr()
+    one = run_ranks(train_job, 1, merge(cfg, {"trainer": {"resume": str(src)},
+                                              "run_dir": str(tmp_path / "one")}))[0]
+    assert "moments restart" not in capfd.readouterr().err
+    a = [r for r in two["rows"] if r["step"] == 3 and "train/loss" in r][0]
+    b = [r for r in one["rows"] if r["step"] == 3 and "train/loss" in r][0]
+    assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
+    for key in ("train/loss", "train/ratio_mean", "train/grad_norm", "train/lr", "train/entropy"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+def test_dp_reshardable_moments_restart_on_another_model_parallel_layout(dp2_run, tmp_path, capfd):
+    """DP=2 -> TP=2 with SP: dp_reshardable moments fit only their own model-parallel layout, so
+    the weights, schedule and data position load and the moments restart, with a warning that
+    says how to save for a layout change."""
+    cfg, src, _ = dp2_run
+    capfd.readouterr()
+    tp = run_ranks(train_job, 2, merge(cfg, {
+        "parallel": {"tp": 2, "sequence_parallel": True}, "trainer": {"resume": str(src)},
+        "run_dir": str(tmp_path / "tp2")}))[0]
+    err = capfd.readouterr().err
+    assert "saved dp_reshardable" in err and "its moments restart" in err
+    assert "trainer.checkpoint_format=fully_reshardable" in err
+    rows = [r for r in tp["rows"] if "train/loss" in r]
+    assert [r["step"] for r in rows] == [3] and rows[0]["minibatch/ratio_mean"][0] == 1.0
+

@@ -249,3 +249,30 @@ def test_a_wrong_reply_count_is_an_error(deterministic):
         client.generate([PROMPTS[0]], SAMPLED, seeds=[1, 2])
     with pytest.raises(SGLangError, match="HTTP 400"):
         client.post("/generate", {"input_ids": [[1], [2]], "sampling_params": [{}]})
+
+
+def test_replica_leaders_spread_requests_over_every_server(random_tp2, deterministic):
+    """Each replica's leader starts at its own server (``first_server`` = its data-parallel
+    rank) and goes round the servers across calls, not from server 0 in every call."""
+    urls = [random_tp2, deterministic]
+
+    def counts():
+        return [stats(u)["generate_requests"] for u in urls]
+
+    def leader(dp_rank):
+        return SGLangEngine(urls, num_hidden_layers=4, top_k=2, moe_layers=[1, 2, 3],
+                            rows_per_request=4, first_server=dp_rank)
+
+    one_request = (PROMPTS[:1], 4, SAMPLED)  # 4 rows: one request
+    for dp_rank, expected in ((0, [1, 0]), (1, [0, 1]), (2, [1, 0]), (3, [0, 1])):
+        before = counts()
+        leader(dp_rank).generate(*one_request)
+        assert [a - b for a, b in zip(counts(), before)] == expected, dp_rank
+    e = leader(1)
+    before = counts()
+    for _ in range(4):  # across calls: 1, 0, 1, 0
+        e.generate(*one_request)
+    assert [a - b for a, b in zip(counts(), before)] == [2, 2]
+    before = counts()
+    e.generate(PROMPTS[:3], 4, SAMPLED)  # 12 rows: three requests in one call, next at server 1
+    assert [a - b for a, b in zip(counts(), before)] == [1, 2]

@@ -56,6 +56,7 @@ from megatron_gspo.rl_batch import (build_batch, exchange_rows, forward_only_lay
                                     route_targets, row_width, width_multiple)
 from megatron_gspo.rollout.local_engine import LocalEngine
 from megatron_gspo.rollout.sglang_engine import (RetryPolicy, SGLangEngine, SGLangError,
+                                                 destroy_weights_update_group,
                                                  init_weights_update_group)
 from megatron_gspo.rollout.sglang_layout import ServerLayout
 from megatron_gspo.rollout.share import share_samples
@@ -140,6 +141,8 @@ def train(job: JobConfig) -> dict:
         report(run)
         return run.history
     finally:
+        if run.sync_group is not None:
+            destroy_weights_update_group(run.engine, run.sync_group)
         run.signals.uninstall()
         run.scorer.close()
         run.logger.close()

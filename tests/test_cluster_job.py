@@ -151,10 +151,21 @@ def test_two_node_job_with_separate_servers_trains_the_checkpoint(checkpoint, tm
     assert sum(s["refused_loading"] for s in per_server.values()) > 0  # asked while loading
 
 
-def plan(*args, env=None):
+def plan(*args):
+    """``python -m tools.plan_layout ARGS`` as a user runs it."""
     return subprocess.run([sys.executable, "-m", "tools.plan_layout", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120,
-                          env=env or dict(os.environ, PYTHONWARNINGS="ignore"))
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+
+
+def plan_here(capsys, *args):
+    """The plan tool's ``main`` in this process (no interpreter start): (exit code, out, err)."""
+    from tools import plan_layout
+
+    capsys.readouterr()
+    code = plan_layout.main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +175,7 @@ def prompts_file(tmp_path_factory):
     return str(path)
 
 
-def test_plan_of_the_qwen3_30b_recipe_on_4_nodes(qwen3_30b_dir, prompts_file):
+def test_plan_of_the_qwen3_30b_recipe_on_4_nodes(qwen3_30b_dir, prompts_file, capsys):
     """Validates with the checkpoint's config.json (no weights) and prints the memory per GPU;
     its parameter count is transformers' Qwen3MoeForCausalLM's, built on the meta device."""
     import torch
@@ -172,8 +183,9 @@ def test_plan_of_the_qwen3_30b_recipe_on_4_nodes(qwen3_30b_dir, prompts_file):
 
     from tests.conftest import QWEN3_30B_A3B_CONFIG
 
-    out = plan("--nodes", "4", "--gpus-per-node", "8", "--model-path", qwen3_30b_dir, "--",
-               "+experiment=qwen3_30b_a3b", "+arm=gspo", f"data.files=[{prompts_file}]")
+    out = plan_here(capsys, "--nodes", "4", "--gpus-per-node", "8", "--model-path",
+                    qwen3_30b_dir, "--", "+experiment=qwen3_30b_a3b", "+arm=gspo",
+                    f"data.files=[{prompts_file}]")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == "placement: 4 node(s) x 8 GPUs: trainer on 4 node(s) (32 ranks); rollout engine sglang"
@@ -222,7 +234,7 @@ def _tokenizer_dir(path, words):
 
 
 def test_trainer_servers_and_tokenizer_must_start_from_one_checkpoint(qwen3_30b_dir, prompts_file,
-                                                                      tmp_path):
+                                                                      tmp_path, capsys):
     """Each disagreement is one line and exit 2, before anything is queued or built."""
     import shutil
 
@@ -248,12 +260,13 @@ def test_trainer_servers_and_tokenizer_must_start_from_one_checkpoint(qwen3_30b_
     ]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     for i, (extra, message) in enumerate(cases):
-        # every case through the plan tool; the first also through the trainer's entry point
-        for cmd in (["-m", "tools.plan_layout", "--nodes", "4", "--gpus-per-node", "8", "--"],
-                    ["-m", "megatron_gspo"])[:1 if i else 2]:
-            out = subprocess.run([sys.executable, *cmd, *recipe, *extra], cwd=ROOT, env=env,
-                                 capture_output=True, text=True, timeout=120)
-            assert out.returncode == 2, (cmd, extra, out.stderr)
+        outs = [plan_here(capsys, "--nodes", "4", "--gpus-per-node", "8", "--", *recipe, *extra)]
+        if i == 0:  # the trainer's own entry point, as a user starts it
+            outs.append(subprocess.run([sys.executable, "-m", "megatron_gspo", *recipe, *extra],
+                                       cwd=ROOT, env=env, capture_output=True, text=True,
+                                       timeout=120))
+        for out in outs:
+            assert out.returncode == 2, (extra, out.stderr)
             assert out.stderr.splitlines() == [out.stderr.strip()], out.stderr
             assert out.stderr.startswith(f"config error: {message}"), (out.stderr, message)
 
@@ -377,29 +390,41 @@ def test_the_installed_package_runs_from_any_directory(tmp_path):
     assert "held-out accuracy: " in out.stdout and (elsewhere / "run" / "metrics.jsonl").is_file()
 
 
-def test_full_activation_recompute_changes_no_number(tmp_path):
+def recompute_job(hf_dir, tokens_BS) -> dict:
+    """Log-probs and parameter gradients of one forward + backward, without and with full
+    activation recompute, from the same weights."""
+    import dataclasses
+
+    from megatron_gspo.config import ParallelConfig
+    from megatron_gspo.hf_qwen3moe import load_hf_weights
+    from megatron_gspo.model import build_model, transformer_config
+    from megatron_gspo.parallel import init_parallel
+    from tests.model_workers import logprob_pass, tiny_model_config
+
+    cfg = tiny_model_config(hf_dir)
+    ctx = init_parallel(ParallelConfig(), cfg, seed=0)
+    out = {}
+    for mode in ("none", "full"):
+        m = dataclasses.replace(cfg, activation_recompute=mode)
+        c = transformer_config(m, ctx)
+        gpt = build_model(m, ctx)
+        load_hf_weights(gpt, hf_dir, m, ctx)
+        logp, _ = logprob_pass(gpt, ctx, tokens_BS)
+        out[mode] = {"recompute": c.recompute_granularity, "logp": logp,
+                     "grads": [p.grad.clone() for p in gpt.parameters() if p.grad is not None]}
+    return out
+
+
+def test_full_activation_recompute_changes_no_number(tiny_hf_checkpoint, layout_tokens):
     """model.activation_recompute=full (the 30B recipe's) reruns each layer's forward in the
-    backward: the warm-up and an RL step log the same numbers as without it."""
+    backward: the same log-probs and gradients as without it."""
     import torch
 
-    from megatron_gspo.config import ModelConfig
-    from megatron_gspo.model import transformer_config
-    from megatron_gspo.parallel import ParallelContext
     from tests.distributed import run_ranks
-    from tests.trainer_workers import SHORT, merge, train_job
 
-    one = ParallelContext(world_size=1, rank=0, device=torch.device("cpu"), tp=1, pp=1, ep=1, cp=1,
-                          etp=1, dp=1, sequence_parallel=False, tp_rank=0, pp_rank=0, ep_rank=0,
-                          cp_rank=0, etp_rank=0, dp_rank=0, edp_rank=0, pg=None)
-    c = transformer_config(ModelConfig(activation_recompute="full"), one)
-    assert (c.recompute_granularity, c.recompute_method, c.recompute_num_layers) == (
-        "full", "uniform", 1)
-    assert transformer_config(ModelConfig(), one).recompute_granularity is None
-    runs = {}
-    for mode in ("none", "full"):
-        cfg = merge(SHORT, {"model": {"activation_recompute": mode}, "run_dir": str(tmp_path / mode),
-                            "trainer": {"steps": 1}, "logging": {"drift": False}})
-        runs[mode] = [{k: v for k, v in r.items() if not k.startswith("perf/")}
-                      for r in run_ranks(train_job, 1, cfg)[0]["rows"]]
-    assert any("train/loss" in r for r in runs["none"])
-    assert runs["full"] == runs["none"]
+    out = run_ranks(recompute_job, 1, tiny_hf_checkpoint, layout_tokens)[0]
+    assert (out["none"]["recompute"], out["full"]["recompute"]) == (None, "full")
+    torch.testing.assert_close(out["full"]["logp"], out["none"]["logp"], rtol=0, atol=0)
+    assert len(out["full"]["grads"]) == len(out["none"]["grads"]) > 0
+    for a, b in zip(out["none"]["grads"], out["full"]["grads"]):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)

@@ -64,18 +64,14 @@ def uninterrupted(tmp_path_factory):
     return read_metrics(run_dir)
 
 
-@pytest.mark.parametrize("fmt", ["auto", "dp_reshardable"])
-def test_sigkill_then_resume_is_bitwise_identical(uninterrupted, tmp_path, fmt):
-    """auto: fully_reshardable moments on CPU; dp_reshardable: each rank's own shard, the GPU
-    default."""
-    cfg = merge(RESUME_CFG, {"trainer": {"checkpoint_format": fmt}})
-    proc = launch(cfg, tmp_path)
+def test_sigkill_then_resume_is_bitwise_identical(uninterrupted, tmp_path):
+    proc = launch(RESUME_CFG, tmp_path)
     wait_for_step(proc, tmp_path, 3)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     with open(tmp_path / "checkpoints" / "step_000003" / "trainer_state.json") as f:
-        assert json.load(f)["optimizer_format"] == {"auto": "fully_reshardable"}.get(fmt, fmt)
-    code, out, err = finish(launch(cfg, tmp_path))
+        assert json.load(f)["optimizer_format"] == "fully_reshardable"  # auto, on CPU
+    code, out, err = finish(launch(RESUME_CFG, tmp_path))
     assert code == 0, err[-3000:]
     assert "resumed from" in out
     assert comparable(read_metrics(tmp_path)) == comparable(uninterrupted)
@@ -209,8 +205,11 @@ def dp2_run(tmp_path_factory):
 
 
 def test_dp_reshardable_moments_load_into_another_data_parallel_size(dp2_run, tmp_path, capfd):
-    """DP=2 -> 1 rank: the moments load (no warning) and the next step matches the DP=2 run's."""
+    """DP=2 -> 1 rank: the moments load (no warning) and the next step matches the DP=2 run's
+    (dp_reshardable: each rank writes its own shard, the GPU default)."""
     cfg, src, two = dp2_run
+    with open(src / "trainer_state.json") as f:
+        assert json.load(f)["optimizer_format"] == "dp_reshardable"
     capfd.readouterr()
     one = run_ranks(train_job, 1, merge(cfg, {"trainer": {"resume": str(src)},
                                               "run_dir": str(tmp_path / "one")}))[0]

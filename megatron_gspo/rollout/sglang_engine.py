@@ -612,6 +612,20 @@ def init_weights_update_group(engine: SGLangEngine, *, master_address: str, mast
     return group
 
 
+def destroy_weights_update_group(engine: SGLangEngine, group,
+                                 group_name: str = "weight_update_group") -> None:
+    """Leave the weight-update group on both sides (the servers refuse a new group under a name
+    they hold, and so does this process): at the end of a run, best effort."""
+    import torch.distributed as dist
+
+    for client in engine.clients:
+        try:
+            client.post("/destroy_weights_update_group", {"group_name": group_name})
+        except SGLangError:
+            pass  # a server that is gone holds no group
+    dist.destroy_process_group(group)
+
+
 def launch_server(model_path: str, *, port: int, host: str = "127.0.0.1", tp: int = 1,
                   ep: int = 1, routed_experts: bool = True, memory_saver: bool = False,
                   extra: Sequence[str] = ()) -> subprocess.Popen:

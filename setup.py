@@ -15,7 +15,8 @@ setup(
     # `megatron-gspo` finds them from any directory.
     package_dir={"megatron_gspo.conf": "conf"},
     # C++ sources that megatron_gspo/cpu_kernels.py builds at first use
-    package_data={"megatron_gspo": ["csrc/*.cpp"], "megatron_gspo.conf": ["*.yaml", "*/*.yaml"]},
+    package_data={"megatron_gspo.backends.cpu": ["csrc/*.cpp"],
+                  "megatron_gspo.conf": ["*.yaml", "*/*.yaml"]},
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16.1",

@@ -89,9 +89,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=UserWarning)
-    from megatron_gspo import trainer
-    from megatron_gspo.config import job_from_dict
-    from megatron_gspo.hf_qwen3moe import export_hf
+    from megatron_gspo.trainer import loop as trainer
+    from megatron_gspo.config.load import job_from_dict
+    from megatron_gspo.models.hf_mapping import export_hf
 
     args.prompts, args.group_size, args.minibatches = 16, 8, 4
     args.micro_batch_size, args.steps = args.rows, 1

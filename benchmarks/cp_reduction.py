@@ -23,8 +23,8 @@ def rank_job(seqs: int, seq_len: int, cp: int, reps: int):
     import torch
     import torch.distributed as dist
 
-    from megatron_gspo.losses import shard_policy_loss
-    from megatron_gspo.seqshard import SequenceReducer, TokenShard, zigzag_index
+    from megatron_gspo.algorithms.losses import shard_policy_loss
+    from megatron_gspo.distributed.seqshard import SequenceReducer, TokenShard, zigzag_index
 
     dist.init_process_group("gloo", init_method="env://")
     rank = dist.get_rank()

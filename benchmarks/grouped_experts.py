@@ -24,11 +24,11 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from megatron_gspo import cpu_kernels  # noqa: E402
-from megatron_gspo.config import ModelConfig, ParallelConfig  # noqa: E402
-from megatron_gspo.grouped_experts import GroupedSequentialMLP  # noqa: E402
-from megatron_gspo.model import build_model  # noqa: E402
-from megatron_gspo.parallel import destroy_parallel, init_parallel  # noqa: E402
+from megatron_gspo.backends.cpu import kernels as cpu_kernels
+from megatron_gspo.config import ModelConfig, ParallelConfig
+from megatron_gspo.models.grouped_experts import GroupedSequentialMLP
+from megatron_gspo.models.model import build_model
+from megatron_gspo.distributed.parallel import destroy_parallel, init_parallel
 
 
 def measure(grouped: bool, args, *, path: str = "") -> tuple:

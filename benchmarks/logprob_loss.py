@@ -37,8 +37,8 @@ def rss_bytes() -> int:
 def run_path(path: str, b: int, t: int, v: int, h: int, chunk: int) -> dict:
     import torch
 
-    from megatron_gspo.logprobs import linear_token_logprobs, token_logprobs
-    from megatron_gspo.losses import policy_loss
+    from megatron_gspo.algorithms.logprobs import linear_token_logprobs, token_logprobs
+    from megatron_gspo.algorithms.losses import policy_loss
 
     torch.manual_seed(0)
     hidden = (torch.randn(b, t, h) * 0.5).requires_grad_()

@@ -25,9 +25,9 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from megatron_gspo import trainer  # noqa: E402
-from megatron_gspo.config import job_from_dict  # noqa: E402
-from megatron_gspo.parallel import destroy_parallel  # noqa: E402
+from megatron_gspo.trainer import loop as trainer
+from megatron_gspo.config.load import job_from_dict
+from megatron_gspo.distributed.parallel import destroy_parallel
 from megatron_gspo.rollout.types import Sample  # noqa: E402
 
 PROMPTS, GROUP, CAP = 16, 8, 256

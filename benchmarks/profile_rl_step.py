@@ -201,8 +201,8 @@ def start_run(args, prefix: str):
     torch.set_num_threads(args.threads)
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=UserWarning)
-    from megatron_gspo import trainer
-    from megatron_gspo.config import job_from_dict
+    from megatron_gspo.trainer import loop as trainer
+    from megatron_gspo.config.load import job_from_dict
 
     run = trainer.setup(job_from_dict(job_dict(args, tempfile.mkdtemp(prefix=prefix))))
     trainer.warm_up(run)
@@ -222,7 +222,7 @@ def main() -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_gspo import trainer
+    from megatron_gspo.trainer import loop as trainer
 
     run = start_run(args, "profile_")
     trainer.rl_step(run, 1)  # warm-up

@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
 
-    from megatron_gspo.rollout.sglang_engine import SGLangEngine
+    from megatron_gspo.rollout.sglang.engine import SGLangEngine
     from megatron_gspo.rollout.types import SamplingParams
     from tests.conftest import make_hf_checkpoint
     from tests.sglang_standin import start

@@ -63,7 +63,7 @@ def timed(before, after, repeats: int) -> tuple:
 
 
 def packed_attention(torch, F, repeats):
-    from megatron_gspo.layers import bucket_plan, packed_causal_attention
+    from megatron_gspo.models.layers import bucket_plan, packed_causal_attention
 
     g = torch.Generator().manual_seed(0)
     # 128 sequences of a reverse-task batch: prompt + response, 12 to 31 tokens
@@ -108,7 +108,7 @@ def _shared_prompt_bounds(torch, g, prompt: int, longest: int) -> tuple:
 def _shared_prompt_batch(torch):
     """One packed micro-batch of the compute shape with shared prompts: 16 prompts (8 tokens fed
     once) x 2 rows of 2-24 tokens, 8 heads / 4 KV groups of 32: its plan and q, k, v."""
-    from megatron_gspo.layers import bucket_plan
+    from megatron_gspo.models.layers import bucket_plan
 
     g = torch.Generator().manual_seed(0)
     bounds, prefix_of = _shared_prompt_bounds(torch, g, 8, 24)
@@ -128,7 +128,7 @@ def attention_gathers(torch, F, repeats):
     """Packed attention's per-bucket gathers and output writes by advanced indexing (as they
     were) vs ``index_select`` / ``index_copy_`` (``layers.packed_causal_attention``), on
     ``_shared_prompt_batch``, both with SDPA's kernel."""
-    from megatron_gspo.layers import packed_causal_attention
+    from megatron_gspo.models.layers import packed_causal_attention
 
     plan, qkv = _shared_prompt_batch(torch)
 
@@ -152,7 +152,7 @@ def bucket_kernel(torch, repeats, heads, groups, backward):
     """Packed attention with every bucket through SDPA's kernel (``matmul_max_keys=0``: the code
     this replaced) vs the default (buckets of <= 32 key slots as ``layers._MatmulBuckets``), on
     ``_shared_prompt_batch``'s plan with ``heads`` / ``groups`` of 32."""
-    from megatron_gspo.layers import bucket_plan, packed_causal_attention
+    from megatron_gspo.models.layers import bucket_plan, packed_causal_attention
 
     g = torch.Generator().manual_seed(0)
     bounds, prefix_of = _shared_prompt_bounds(torch, g, 8, 24)
@@ -177,7 +177,7 @@ def plan(torch, repeats):
     """A packed micro-batch's bucket plan (``layers.bucket_plan``, once per micro-batch), built
     sequence by sequence (as it was) vs by whole-bucket operations, for a tiny-shape micro-batch
     with shared prompts: 16 prompts of 6 tokens x 2 rows of 2-8 tokens."""
-    from megatron_gspo.layers import Bucket, bucket_plan, length_buckets
+    from megatron_gspo.models.layers import Bucket, bucket_plan, length_buckets
 
     bounds, prefix_of = _shared_prompt_bounds(torch, torch.Generator().manual_seed(0), 6, 8)
 
@@ -217,7 +217,8 @@ def batch_building(torch, repeats):
     (``Layout.packed_rows``, shared prompts): per sample and per segment (as it was) vs by
     whole-batch operations. (The trainer also sends every row's values through
     ``exchange_rows``, which now gathers them from whole-batch tables instead of per row.)"""
-    from megatron_gspo.rl_batch import Layout, _Segment, build_batch
+    from megatron_gspo.batch.layout import Layout, _Segment
+    from megatron_gspo.batch.rollout_batch import build_batch
     from megatron_gspo.rollout.types import Sample
 
     g = torch.Generator().manual_seed(0)
@@ -312,7 +313,7 @@ def nonfinite(torch, repeats):
 
 
 def seeded_sampling(torch, repeats, vocab):
-    from megatron_gspo.rollout.local_engine import row_uniform, sample_next
+    from megatron_gspo.rollout.sampling import row_uniform, sample_next
     from megatron_gspo.rollout.types import SamplingParams
 
     seeds = list(range(1000, 1128))
@@ -355,7 +356,7 @@ def expert_stack(torch, repeats):
 
 
 def entropy(torch, repeats, vocab):
-    from megatron_gspo.logprobs import token_logprobs
+    from megatron_gspo.algorithms.logprobs import token_logprobs
 
     g = torch.Generator().manual_seed(0)
     logits0 = torch.randn(1, 1024, vocab, generator=g)
@@ -382,7 +383,7 @@ def rope(torch, repeats, packed):
     from megatron.core.transformer import attention
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_gspo import layers
+    from megatron_gspo.models import layers
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -430,7 +431,7 @@ def rope(torch, repeats, packed):
 def experts_swiglu(torch, repeats):
     import torch.nn.functional as F
 
-    from megatron_gspo import grouped_experts as ge
+    from megatron_gspo.models import grouped_experts as ge
 
     class Replaced(ge._ExpertsSwiGLU):  # its forward and backward before the change
         @staticmethod
@@ -481,8 +482,8 @@ def experts_swiglu(torch, repeats):
 
 
 def experts_kernel(torch, repeats):
-    from megatron_gspo import cpu_kernels
-    from megatron_gspo import grouped_experts as ge
+    from megatron_gspo.backends.cpu import kernels as cpu_kernels
+    from megatron_gspo.models import grouped_experts as ge
 
     kernel = cpu_kernels.experts_swiglu()
     if kernel is None:

@@ -43,7 +43,7 @@ from profile_rl_step import add_run_args, fill_shape, start_run  # noqa: E402
 
 def experts_function(run):
     """(before, after) setters: the expert layers through grouped_mm, or the CPU function."""
-    from megatron_gspo.grouped_experts import GroupedSequentialMLP
+    from megatron_gspo.models.grouped_experts import GroupedSequentialMLP
 
     layers = [m for m in run.gpt.modules() if isinstance(m, GroupedSequentialMLP)]
 
@@ -61,7 +61,7 @@ def experts_function(run):
 
 def short_buckets(run):
     """(before, after) setters: every packed-attention bucket through SDPA, or the default."""
-    from megatron_gspo import layers
+    from megatron_gspo.models import layers
 
     now = layers.packed_causal_attention
     sdpa_only = functools.partial(now, matmul_max_keys=0)
@@ -78,8 +78,8 @@ def short_buckets(run):
 def experts_kernel(run):
     """(before, after) setters: the CPU SwiGLU function's loop (MKL splitting each product over
     the threads), or its C++ kernel (whole experts per thread)."""
-    from megatron_gspo import cpu_kernels
-    from megatron_gspo.grouped_experts import GroupedSequentialMLP
+    from megatron_gspo.backends.cpu import kernels as cpu_kernels
+    from megatron_gspo.models.grouped_experts import GroupedSequentialMLP
 
     if cpu_kernels.experts_swiglu() is None:
         raise SystemExit("experts_kernel: the C++ kernel did not build (see the log line above)")
@@ -109,7 +109,7 @@ def main() -> None:
     if args.minibatches % 2:
         p.error("--minibatches must be even (the updates of a step are compared in pairs)")
 
-    from megatron_gspo import trainer
+    from megatron_gspo.trainer import loop as trainer
 
     run = start_run(args, "update_ab_")
     setters = CHANGES[args.change](run)

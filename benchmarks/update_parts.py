@@ -71,7 +71,7 @@ def depth(part: str) -> int:
 
 
 def instrument(run, timers: Timers) -> None:
-    from megatron_gspo import optim, policy, trainer
+    from megatron_gspo.trainer import optim, passes as policy, loop as trainer
 
     timers.wrap(trainer, "update", "update phase")
     timers.wrap(trainer, "_micro_batches", "micro-batches")
@@ -99,7 +99,7 @@ def main() -> None:
     args = p.parse_args()
     fill_shape(args)
 
-    from megatron_gspo import trainer
+    from megatron_gspo.trainer import loop as trainer
 
     run = start_run(args, "update_parts_")
     trainer.rl_step(run, 1)  # warm-up

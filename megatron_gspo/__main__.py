@@ -9,7 +9,9 @@ import warnings
 import hydra
 from omegaconf import DictConfig
 
-from megatron_gspo.config import ConfigError, conf_dir, job_from_omegaconf, register_configs
+from megatron_gspo.config import ConfigError
+from megatron_gspo.config.load import conf_dir, job_from_omegaconf, register_configs
+
 
 register_configs()
 CONF_DIR = conf_dir()  # shipped in the package when installed, the checkout's conf/ otherwise
@@ -43,10 +45,10 @@ def main(cfg: DictConfig) -> None:
     # parameter group: before the imports below.
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    from megatron_gspo import faults, trainer
+    from megatron_gspo.trainer import faults, loop as trainer
     from megatron_gspo.data.prompts import PromptDataError
     from megatron_gspo.data.tokenizer import TokenizerError
-    from megatron_gspo.parallel import destroy_parallel
+    from megatron_gspo.distributed.parallel import destroy_parallel
 
     try:
         job = job_from_omegaconf(cfg)

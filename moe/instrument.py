@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import comm
+from megatron_gspo.distributed import comm
 from moe.drift import drift_metrics, expert_counts, layer_drift_sums, load_metrics
 from moe.records import local_moe_layers
 

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_gspo.config import ModelConfig, ParallelConfig  # noqa: E402
+from megatron_gspo.config import ModelConfig, ParallelConfig
 
 MODEL_1B = ModelConfig(
     name="moe_1b", vocab_size=32768, hidden_size=1024, num_layers=16, num_attention_heads=16,
@@ -51,11 +51,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device")
 
-    from megatron_gspo.forward import MicroBatch, forward_backward
-    from megatron_gspo.logprobs import token_logprobs
-    from megatron_gspo.model import build_model, count_parameters
-    from megatron_gspo.parallel import destroy_parallel, init_parallel
-    from megatron_gspo import te
+    from megatron_gspo.batch.micro_batch import MicroBatch
+    from megatron_gspo.models.forward import forward_backward
+    from megatron_gspo.algorithms.logprobs import token_logprobs
+    from megatron_gspo.models.model import build_model, count_parameters
+    from megatron_gspo.distributed.parallel import destroy_parallel, init_parallel
+    from megatron_gspo.models import te
 
     m = MODEL_1B
     ctx = init_parallel(ParallelConfig(), m, seed=0)

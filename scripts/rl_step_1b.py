@@ -24,8 +24,9 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import torch  # noqa: E402
 
 from gpu_check import MODEL_1B, param_counts  # noqa: E402
-from megatron_gspo import trainer  # noqa: E402
-from megatron_gspo.config import ModelConfig, job_from_dict  # noqa: E402
+from megatron_gspo.trainer import loop as trainer
+from megatron_gspo.config import ModelConfig
+from megatron_gspo.config.load import job_from_dict
 
 
 def main() -> None:

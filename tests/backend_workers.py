@@ -21,7 +21,9 @@ def backend_before_and_after():
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.utils import GlobalMemoryBuffer
 
-    from megatron_gspo import cpu_backend, te
+    from megatron_gspo.backends import backend_for
+    from megatron_gspo.backends.cpu import megatron as cpu_backend
+    from megatron_gspo.models import te
 
     rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
     grads_param = torch.nn.Parameter(torch.ones(4))
@@ -37,10 +39,10 @@ def backend_before_and_after():
     }
     result = {"before": {k: _fails(f) for k, f in checks.items()}}
     result["needed"] = {a.name: a.needed() for a in cpu_backend.ADAPTATIONS}
-    result["cuda_activation"] = cpu_backend.activate(torch.device("cuda"))
+    result["cuda_activation"] = backend_for(torch.device("cuda")).activate()
     result["active_after_cuda"] = [a.name for a in cpu_backend.ADAPTATIONS if a.active()]
-    result["cpu_activation"] = cpu_backend.activate(torch.device("cpu"))
-    result["cpu_activation_again"] = cpu_backend.activate(torch.device("cpu"))
+    result["cpu_activation"] = cpu_backend.activate()
+    result["cpu_activation_again"] = cpu_backend.activate()
     result["te_symbol_defined"] = te.ensure_router_gemm_symbol()
     result["te_symbol_again"] = te.ensure_router_gemm_symbol()
     grads_param.grad = torch.full((4,), 3.0)
@@ -57,9 +59,9 @@ def backend_before_and_after():
 
 def redirect_probe_on_clean_module():
     """A module without CUDA device use does not get the redirect (the switch-off path)."""
-    from megatron_gspo import cpu_backend
+    from megatron_gspo.backends.cpu.adaptation import redirect
 
-    adaptation = cpu_backend._redirect("megatron.core.transformer.enums", "probe")
+    adaptation = redirect("megatron.core.transformer.enums", "probe")
     return adaptation.needed()
 
 
@@ -70,7 +72,7 @@ def gloo_bucket_collectives():
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _coalescing_manager
 
-    from megatron_gspo import cpu_backend
+    from megatron_gspo.backends.cpu import gloo
 
     dist.init_process_group("gloo", init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -92,8 +94,8 @@ def gloo_bucket_collectives():
 
         buckets(dist.reduce_scatter_tensor, ref_g, True)
         buckets(dist.all_gather_into_tensor, ref_p, False)
-        buckets(cpu_backend._gloo_reduce_scatter, grads, True)
-        buckets(cpu_backend._gloo_all_gather, params, False)
+        buckets(gloo._gloo_reduce_scatter, grads, True)
+        buckets(gloo._gloo_all_gather, params, False)
         shard = [t.view(size, -1)[group.rank()] for t in grads]
         out[name] = {
             "reduce_scatter_equal": all(torch.equal(a, b.view(size, -1)[group.rank()])
@@ -103,7 +105,7 @@ def gloo_bucket_collectives():
     # Not this rank's shard of the bucket (a separate output): torch's own function runs.
     full = torch.arange(world * 2, dtype=torch.float32) + rank
     separate = torch.empty(2)
-    cpu_backend._gloo_reduce_scatter(separate, full.clone())
+    gloo._gloo_reduce_scatter(separate, full.clone())
     expected = torch.empty(2)
     dist.reduce_scatter_tensor(expected, full.clone())
     out["separate_output_equal"] = torch.equal(separate, expected)

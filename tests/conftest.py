@@ -17,7 +17,7 @@ TINY_HF_CONFIG = dict(
 
 def load_hf_tensors(path) -> dict:
     """Every tensor of a HF checkpoint directory (one file or sharded with an index)."""
-    from megatron_gspo.hf_qwen3moe import HFCheckpoint
+    from megatron_gspo.models.hf_io import HFCheckpoint
 
     ckpt = HFCheckpoint(str(path))
     return {name: ckpt.get(name) for name in ckpt.weight_map}

@@ -8,11 +8,11 @@ import torch
 def _logprobs(hf_dir, ctx, tokens_BS, sequences):
     """Per-token log-probs of a padded batch (whole rows gathered from the CP ranks) and of the
     same sequences packed in one THD row (each padded to 2 x cp chunks)."""
-    from megatron_gspo.forward import MicroBatch
-    from megatron_gspo.hf_qwen3moe import load_hf_weights
-    from megatron_gspo.model import build_model
-    from megatron_gspo.policy import logprob_pass
-    from megatron_gspo.seqshard import pack_sequences
+    from megatron_gspo.batch.micro_batch import MicroBatch
+    from megatron_gspo.models.hf_mapping import load_hf_weights
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.trainer.passes import logprob_pass
+    from megatron_gspo.distributed.seqshard import pack_sequences
     from tests.model_workers import tiny_model_config
 
     cfg = tiny_model_config(hf_dir)
@@ -34,7 +34,7 @@ def cp_job(hf_dir, parallel_kwargs, logprob_inputs, cases):
     """In one process group: ``_logprobs`` of ``(tokens, sequences)`` and ``_update`` for each
     case ``(tokens, delta, adv, mask, algo, replay)``."""
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.distributed.parallel import init_parallel
     from tests.model_workers import tiny_model_config
 
     ctx = init_parallel(ParallelConfig(**parallel_kwargs), tiny_model_config(hf_dir), seed=0)
@@ -46,11 +46,11 @@ def cp_job(hf_dir, parallel_kwargs, logprob_inputs, cases):
 def _sft(hf_dir, ctx, tokens_BS):
     """One supervised update (the warm-up's) on prompt + answer rows: loss, batch accuracy and
     the log-probs after it."""
-    from megatron_gspo.faults import NonFiniteGuard
-    from megatron_gspo.hf_qwen3moe import load_hf_weights
-    from megatron_gspo.model import build_model
-    from megatron_gspo.optim import OptimConfig, wrap_and_build_optimizer
-    from megatron_gspo.policy import logprob_pass, sft_micro_batches, sft_update
+    from megatron_gspo.trainer.faults import NonFiniteGuard
+    from megatron_gspo.models.hf_mapping import load_hf_weights
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.trainer.optim import OptimConfig, wrap_and_build_optimizer
+    from megatron_gspo.trainer.passes import logprob_pass, sft_micro_batches, sft_update
     from tests.model_workers import tiny_model_config
 
     cfg = tiny_model_config(hf_dir)
@@ -73,13 +73,13 @@ def _update(hf_dir, ctx, tokens_BS, delta_BS, adv_B, mask_BS, algo_name, replay_
     context-parallel reduction, SGD): loss, grad norm, values sent over the CP group by the
     sequence reduction, and the log-probs after the update (whole rows)."""
     from megatron_gspo.config import AlgoConfig
-    from megatron_gspo.faults import NonFiniteGuard
-    from megatron_gspo.forward import MicroBatch
-    from megatron_gspo.hf_qwen3moe import load_hf_weights
-    from megatron_gspo.model import build_model
-    from megatron_gspo.optim import OptimConfig, wrap_and_build_optimizer
-    from megatron_gspo.policy import logprob_pass, normalizer_for, policy_update
-    from megatron_gspo.rl_batch import router_view
+    from megatron_gspo.trainer.faults import NonFiniteGuard
+    from megatron_gspo.batch.micro_batch import MicroBatch
+    from megatron_gspo.models.hf_mapping import load_hf_weights
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.trainer.optim import OptimConfig, wrap_and_build_optimizer
+    from megatron_gspo.trainer.passes import logprob_pass, normalizer_for, policy_update
+    from megatron_gspo.batch.micro_batch import router_view
     from moe.instrument import local_layers_of
     from moe.replay import RoutingReplay
     from tests.model_workers import tiny_model_config

@@ -71,7 +71,7 @@ def _entry(rank, world_size, port, fn, args, results, parent):
     finally:
         try:
             if "megatron.core.parallel_state" in sys.modules:  # only tear down what was set up
-                from megatron_gspo.parallel import destroy_parallel
+                from megatron_gspo.distributed.parallel import destroy_parallel
 
                 destroy_parallel()
             elif torch.distributed.is_initialized():
@@ -115,7 +115,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0) -> list:
 def _each_layout(cases):
     """In one rank: ``fn(*args)`` for every ``(fn, args)`` case, Megatron's groups torn down in
     between (each case builds its own layout on the same world)."""
-    from megatron_gspo.parallel import destroy_parallel
+    from megatron_gspo.distributed.parallel import destroy_parallel
 
     out = []
     for fn, args in cases:

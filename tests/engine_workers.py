@@ -13,8 +13,8 @@ ENGINE_MODEL = dict(vocab_size=128, hidden_size=64, num_layers=4, num_attention_
 
 def _setup(parallel_kwargs, **model_overrides):
     from megatron_gspo.config import ModelConfig, ParallelConfig
-    from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.distributed.parallel import init_parallel
     from megatron_gspo.rollout.local_engine import LocalEngine
     from moe.replay import RoutingReplay
 
@@ -27,8 +27,9 @@ def _setup(parallel_kwargs, **model_overrides):
 
 def _trainer_view(gpt, ctx, replay, sample, temperature):
     """The trainer's recomputation: prompt + response (no padding), RECORD routes."""
-    from megatron_gspo.forward import MicroBatch, forward_backward
-    from megatron_gspo.logprobs import token_logprobs
+    from megatron_gspo.batch.micro_batch import MicroBatch
+    from megatron_gspo.models.forward import forward_backward
+    from megatron_gspo.algorithms.logprobs import token_logprobs
 
     seq = torch.tensor(sample.prompt_ids + sample.response_ids)[None]
     fed = seq.shape[1] - 1
@@ -54,7 +55,7 @@ def _trainer_view(gpt, ctx, replay, sample, temperature):
 
 
 def engine_vs_trainer_job(parallel_kwargs, prompts, params_kwargs, model_overrides=None):
-    from megatron_gspo.grouped_experts import GroupedSequentialMLP, cached_expert_weights
+    from megatron_gspo.models.grouped_experts import GroupedSequentialMLP, cached_expert_weights
     from megatron_gspo.rollout.types import SamplingParams
 
     cfg, ctx, gpt, replay, engine = _setup(parallel_kwargs, **(model_overrides or {}))
@@ -156,7 +157,7 @@ def rotated_cache_job(prompts):
     unrotated, the whole cache rotated at every step), from the same seed."""
     from megatron.core.transformer.attention import SelfAttention
 
-    from megatron_gspo.layers import RotatedCacheSelfAttention
+    from megatron_gspo.models.layers import RotatedCacheSelfAttention
     from megatron_gspo.rollout.types import SamplingParams
 
     cfg, ctx, gpt, replay, engine = _setup({})
@@ -204,7 +205,7 @@ def direct_decode_job(prompts, model_overrides):
 
 def decode_path_job(model_overrides):
     """Whether the engine of a one-rank model with these options decodes directly, and why not."""
-    from megatron_gspo.rollout.decode_step import unsupported
+    from megatron_gspo.backends.cpu.decode import unsupported
 
     cfg, ctx, gpt, replay, engine = _setup({}, **model_overrides)
     return engine.direct_decode, unsupported(gpt, ctx)

@@ -25,9 +25,9 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
     import torch
 
     from megatron_gspo.config import ModelConfig, ParallelConfig
-    from megatron_gspo.grouped_experts import GroupedSequentialMLP
-    from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.models.grouped_experts import GroupedSequentialMLP
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.distributed.parallel import init_parallel
 
     cfg = ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_attention_heads=4,
                       num_query_groups=2, head_dim=16, ffn_hidden_size=128,
@@ -107,8 +107,8 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
 def spec_job() -> dict:
     """The experts' class of a model built with the default and with grouped_experts off."""
     from megatron_gspo.config import ModelConfig, ParallelConfig
-    from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.distributed.parallel import init_parallel
 
     cfg = ModelConfig(vocab_size=128, hidden_size=64, num_layers=1, num_attention_heads=4,
                       num_query_groups=2, head_dim=16, ffn_hidden_size=128,

@@ -18,7 +18,7 @@ def _threads() -> int:
 
 def _mkl_threads() -> int:
     """MKL's count for this thread (2, the expected count, when torch has no MKL)."""
-    from megatron_gspo import intra_op
+    from megatron_gspo.backends.cpu import threads as intra_op
 
     getter = intra_op._symbol(intra_op._loaded_library("libtorch_cpu", "libmkl"),
                               "MKL_Get_Max_Threads")
@@ -32,13 +32,13 @@ def _mkl_threads() -> int:
 def main(mode: str) -> dict:
     """``mode``: nopin (torch as it is), pin (``pin_to_this_thread``), init_parallel (the
     trainer's process-group setup, which pins)."""
-    from megatron_gspo import intra_op
+    from megatron_gspo.backends.cpu import threads as intra_op
 
     out = {"before": {"this": torch.get_num_threads(), "new": intra_op.count_in_a_new_thread()}}
     out["pinned"] = intra_op.pin_to_this_thread() if mode == "pin" else False
     if mode == "init_parallel":
         from megatron_gspo.config import ModelConfig, ParallelConfig
-        from megatron_gspo.parallel import init_parallel
+        from megatron_gspo.distributed.parallel import init_parallel
 
         init_parallel(ParallelConfig(), ModelConfig())
     else:
@@ -56,7 +56,7 @@ def main(mode: str) -> dict:
     x = torch.randn(256, 256)
     out["matmul_ok"] = bool(torch.allclose(x @ x, (x.double() @ x.double()).float(), atol=1e-3))
     if mode == "init_parallel":
-        from megatron_gspo.parallel import destroy_parallel
+        from megatron_gspo.distributed.parallel import destroy_parallel
 
         destroy_parallel()
     else:

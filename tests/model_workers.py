@@ -10,7 +10,7 @@ import torch
 
 
 def tiny_model_config(hf_dir):
-    from megatron_gspo.hf_qwen3moe import model_config_from_hf
+    from megatron_gspo.models.hf_config import model_config_from_hf
 
     with open(os.path.join(hf_dir, "config.json")) as f:
         return model_config_from_hf(json.load(f))
@@ -18,8 +18,9 @@ def tiny_model_config(hf_dir):
 
 def logprob_pass(gpt, ctx, tokens_BS, micro_batches=1, backward=True):
     """Forward (+ backward) over ``tokens_BS`` split into micro-batches; last stage gets logp."""
-    from megatron_gspo.forward import MicroBatch, forward_backward
-    from megatron_gspo.logprobs import token_logprobs
+    from megatron_gspo.batch.micro_batch import MicroBatch
+    from megatron_gspo.models.forward import forward_backward
+    from megatron_gspo.algorithms.logprobs import token_logprobs
 
     def loss_fn(mb, logits):
         logp, ent = token_logprobs(logits, mb.targets_BS, group=ctx.tp_group, with_entropy=True)
@@ -35,9 +36,9 @@ def logprob_pass(gpt, ctx, tokens_BS, micro_batches=1, backward=True):
 def layout_job(hf_dir, parallel_kwargs, tokens_BS, export_dir=None):
     """Import the HF checkpoint into a layout, run forward+backward, optionally export it again."""
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.hf_qwen3moe import export_hf, load_hf_weights
-    from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.models.hf_mapping import export_hf, load_hf_weights
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.distributed.parallel import init_parallel
 
     cfg = tiny_model_config(hf_dir)
     ctx = init_parallel(ParallelConfig(**parallel_kwargs), cfg, seed=0)
@@ -62,9 +63,9 @@ def layout_job(hf_dir, parallel_kwargs, tokens_BS, export_dir=None):
 def save_random_weights_job(model_kwargs, parallel_kwargs, tokens_BS, path):
     """Random init (seeded) in one layout, save a dist checkpoint, return its log-probs."""
     from megatron_gspo.config import ModelConfig, ParallelConfig
-    from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.weights import save_weights
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.distributed.parallel import init_parallel
+    from megatron_gspo.checkpoint.weights import save_weights
 
     cfg = ModelConfig(**model_kwargs)
     ctx = init_parallel(ParallelConfig(**parallel_kwargs), cfg, seed=123)
@@ -77,9 +78,9 @@ def save_random_weights_job(model_kwargs, parallel_kwargs, tokens_BS, path):
 
 def load_weights_job(parallel_kwargs, tokens_BS, path):
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.weights import load_weights, read_model_config
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.distributed.parallel import init_parallel
+    from megatron_gspo.checkpoint.weights import load_weights, read_model_config
 
     cfg = read_model_config(path)
     ctx = init_parallel(ParallelConfig(**parallel_kwargs), cfg, seed=999)  # different init seed
@@ -92,9 +93,10 @@ def load_weights_job(parallel_kwargs, tokens_BS, path):
 
 def malformed_hf_job(hf_dir):
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.hf_qwen3moe import HFCheckpointError, load_hf_weights
-    from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.models.hf_config import HFCheckpointError
+    from megatron_gspo.models.hf_mapping import load_hf_weights
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.distributed.parallel import init_parallel
 
     cfg = tiny_model_config(hf_dir)
     ctx = init_parallel(ParallelConfig(), cfg, seed=0)
@@ -114,9 +116,9 @@ def attention_vs_megatron_job():
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_gspo.config import ModelConfig, ParallelConfig
-    from megatron_gspo.layers import SDPAttention
-    from megatron_gspo.model import transformer_config
-    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.models.layers import SDPAttention
+    from megatron_gspo.models.model import transformer_config
+    from megatron_gspo.distributed.parallel import init_parallel
 
     m = ModelConfig(hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16)
     ctx = init_parallel(ParallelConfig(), m, seed=0)
@@ -153,13 +155,14 @@ def gspo_step_job(hf_dir, parallel_kwargs, tokens_BS, delta_BS, adv_B, mask_BS, 
     """One policy-gradient step through the Megatron model: old log-probs from a forward pass
     (perturbed by ``delta``), the policy loss, SGD; returns loss, grad norm and log-probs after."""
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.forward import MicroBatch, forward_backward, last_stage_metrics
-    from megatron_gspo.hf_qwen3moe import load_hf_weights
-    from megatron_gspo.logprobs import token_logprobs
-    from megatron_gspo.losses import combine_metrics, policy_loss
-    from megatron_gspo.model import build_model
-    from megatron_gspo.optim import OptimConfig, wrap_and_build_optimizer, zero_grads
-    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.batch.micro_batch import MicroBatch
+    from megatron_gspo.models.forward import forward_backward, last_stage_metrics
+    from megatron_gspo.models.hf_mapping import load_hf_weights
+    from megatron_gspo.algorithms.logprobs import token_logprobs
+    from megatron_gspo.algorithms.losses import combine_metrics, policy_loss
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.trainer.optim import OptimConfig, wrap_and_build_optimizer, zero_grads
+    from megatron_gspo.distributed.parallel import init_parallel
 
     cfg = tiny_model_config(hf_dir)
     ctx = init_parallel(ParallelConfig(**parallel_kwargs), cfg, seed=0)
@@ -199,12 +202,13 @@ def gspo_step_job(hf_dir, parallel_kwargs, tokens_BS, delta_BS, adv_B, mask_BS, 
 def packed_vs_padded_job(hf_dir, parallel_kwargs, sequences):
     """Log-probs of sequences packed in one THD row vs the same sequences as padded rows."""
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.forward import MicroBatch, forward_backward
-    from megatron_gspo.hf_qwen3moe import load_hf_weights
-    from megatron_gspo.logprobs import token_logprobs
-    from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.seqshard import pack_sequences
+    from megatron_gspo.batch.micro_batch import MicroBatch
+    from megatron_gspo.models.forward import forward_backward
+    from megatron_gspo.models.hf_mapping import load_hf_weights
+    from megatron_gspo.algorithms.logprobs import token_logprobs
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.distributed.parallel import init_parallel
+    from megatron_gspo.distributed.seqshard import pack_sequences
 
     cfg = tiny_model_config(hf_dir)
     ctx = init_parallel(ParallelConfig(**parallel_kwargs), cfg, seed=0)
@@ -245,7 +249,7 @@ def rope_cache_job():
     from megatron.core.transformer import attention
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_gspo import layers
+    from megatron_gspo.models import layers
 
     dist.init_process_group("gloo", init_method="env://")
     cp = dist.new_group([0])

@@ -11,11 +11,12 @@ def grad_norm_job(parallel_kwargs: dict) -> dict:
     from megatron.core.optimizer import clip_grads
 
     from megatron_gspo.config import ModelConfig, ParallelConfig
-    from megatron_gspo.forward import MicroBatch, forward_backward
-    from megatron_gspo.logprobs import token_logprobs
-    from megatron_gspo.model import build_model
-    from megatron_gspo.optim import OptimConfig, wrap_and_build_optimizer, zero_grads
-    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.batch.micro_batch import MicroBatch
+    from megatron_gspo.models.forward import forward_backward
+    from megatron_gspo.algorithms.logprobs import token_logprobs
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.trainer.optim import OptimConfig, wrap_and_build_optimizer, zero_grads
+    from megatron_gspo.distributed.parallel import init_parallel
 
     cfg = ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_attention_heads=4,
                       num_query_groups=2, head_dim=16, ffn_hidden_size=96, moe_ffn_hidden_size=32,

@@ -49,16 +49,36 @@ def synthetic_samples(job, dp: int, dp_rank: int):
 def _step_inputs(cfg: dict):
     """The run of ``cfg`` (seeded weights, the RL optimizer) and its batch of this rank's
     synthetic responses: (job, run, samples, rewards, batch)."""
-    from megatron_gspo import trainer
-    from megatron_gspo.config import job_from_dict
+    from megatron_gspo.config.load import job_from_dict
+    from megatron_gspo.trainer.batching import make_batch
+    from megatron_gspo.trainer.setup import build_rl_optimizer, setup
+    from megatron_gspo.trainer.warmup import init_weights
 
     job = job_from_dict(cfg)
-    run = trainer.setup(job)
-    trainer.init_weights(run, "")
-    trainer.build_rl_optimizer(run)
+    run = setup(job)
+    init_weights(run.policy.gpt, job, run.ctx, "")
+    build_rl_optimizer(job, run.policy, run.ctx)
     samples, rewards = synthetic_samples(job, run.ctx.dp, run.ctx.dp_rank)
-    batch, _ = trainer.make_batch(run, samples, rewards)
+    batch, _ = make_batch(job, run.ctx, samples, rewards, pad_id=run.prompts.tokenizer.pad_id)
     return job, run, samples, rewards, batch
+
+
+def _behaviour_and_updates(run, batch):
+    """The step's behaviour phase, rollout correction and updates: (results, drift)."""
+    from megatron_gspo.trainer.behaviour import (behaviour_logprobs, correct_for_the_engine,
+                                                 step_plan)
+    from megatron_gspo.trainer.updates import update
+
+    plan = step_plan(run, batch)
+    routes = behaviour_logprobs(run, batch, plan)
+    correct_for_the_engine(run.job.algo, run.ctx, batch)
+    return update(run, batch, plan, routes)
+
+
+def _close(run) -> None:
+    run.signals.uninstall()
+    run.prompts.scorer.close()
+    run.logger.close()
 
 
 def rl_step_job(cfg: dict) -> dict:
@@ -67,31 +87,30 @@ def rl_step_job(cfg: dict) -> dict:
     response tokens)."""
     import torch
 
-    from megatron_gspo import trainer
-    from megatron_gspo.policy import logprob_pass
-    from megatron_gspo.rl_batch import Layout, build_batch, micro_batch
+    from megatron_gspo.batch.layout import Layout
+    from megatron_gspo.batch.micro_batch import micro_batch
+    from megatron_gspo.batch.rollout_batch import build_batch
+    from megatron_gspo.trainer.batching import minibatch_layouts
+    from megatron_gspo.trainer.passes import logprob_pass
 
     job, run, samples, rewards, batch = _step_inputs(cfg)
-    routes = trainer.old_logprobs(run, batch)
-    trainer.correct_for_the_engine(run, batch)
-    results, drift = trainer.update(run, batch, routes)
+    results, drift = _behaviour_and_updates(run, batch)
+    pad = run.prompts.tokenizer.pad_id
     mine = build_batch(samples, rewards, torch.zeros(len(samples)), width=batch.width,
-                       pad_id=run.tokenizer.pad_id, num_experts=job.model.num_experts)
-    mbs = [micro_batch(mine, Layout(tuple(range(i, min(i + 4, mine.rows)))), run.tokenizer.pad_id)
+                       pad_id=pad, num_experts=job.model.num_experts)
+    mbs = [micro_batch(mine, Layout(tuple(range(i, min(i + 4, mine.rows)))), pad)
            for i in range(0, mine.rows, 4)]
-    after, _ = logprob_pass(run.ddp, mbs, run.ctx, temperature=1.0)
+    after, _ = logprob_pass(run.policy.ddp, mbs, run.ctx, temperature=1.0)
     after = torch.cat(after)
-    run.signals.uninstall()
-    run.scorer.close()
-    run.logger.close()
+    _close(run)
     return {"loss": [float(r.metrics["loss"]) for r in results],
             "grad_norm": [r.grad_norm for r in results],
             "clip_fraction": [float(r.metrics.get("clip_fraction", 0.0)) for r in results],
             "after": after[mine.mask_BS > 0], "drift": drift,
             "micro_batches": [len(per_k) for per_k in (batch.layouts or [])],
             "tokens": int(batch.lengths_B.sum()),
-            "fed": sum(layout.fed_tokens(batch.lengths_B) for per_k in trainer._layouts(run, batch)
-                       for layout in per_k),
+            "fed": sum(layout.fed_tokens(batch.lengths_B)
+                       for per_k in minibatch_layouts(job, batch) for layout in per_k),
             "shared": sum(layout.shares_prompts for per_k in (batch.layouts or [])
                           for layout in per_k)}
 
@@ -103,36 +122,46 @@ def first_minibatch_job(cfg: dict) -> dict:
     (the first mini-batch's from its own update) are the reference's, bitwise."""
     import torch
 
-    from megatron_gspo import trainer
-    from megatron_gspo.policy import logprob_pass
+    from megatron_gspo.algorithms.behaviour import behaviour_source
+    from megatron_gspo.trainer.batching import (engine_routes, micro_batches_of,
+                                                minibatch_layouts, unpack)
+    from megatron_gspo.trainer.behaviour import (behaviour_logprobs, correct_for_the_engine,
+                                                 step_plan)
+    from megatron_gspo.trainer.passes import logprob_pass
+    from megatron_gspo.trainer.run import Timers
+    from megatron_gspo.trainer.step_metrics import step_metrics
+    from megatron_gspo.trainer.updates import update
+    from moe.instrument import local_layers_of
 
     job, run, samples, _, batch = _step_inputs(cfg)
-    per_k = trainer._layouts(run, batch)
+    per_k = minibatch_layouts(job, batch)
     layouts = [layout for per in per_k for layout in per]
-    mbs = trainer._micro_batches(run, batch, layouts)
-    targets = trainer._targets(run, batch, layouts) if job.replay.mode == "r3" else None
-    reference, _ = logprob_pass(run.ddp, mbs, run.ctx, temperature=1.0, replay=run.replay,
+    mbs = micro_batches_of(batch, layouts, run.prompts.tokenizer.pad_id)
+    targets = (engine_routes(batch, layouts, layers=local_layers_of(job.model, run.ctx),
+                             ctx=run.ctx) if job.replay.mode == "r3" else None)
+    policy = run.policy
+    reference, _ = logprob_pass(policy.ddp, mbs, run.ctx, temperature=1.0, replay=policy.replay,
                                 targets=targets)
-    reference = trainer._unpack(batch, layouts, reference)
+    reference = unpack(batch, layouts, reference)
     fed = []
-    hook = run.ddp.module.register_forward_pre_hook(lambda *_: fed.append(1))
-    routes = trainer.old_logprobs(run, batch)
+    hook = policy.ddp.module.register_forward_pre_hook(lambda *_: fed.append(1))
+    plan = step_plan(run, batch)
+    routes = behaviour_logprobs(run, batch, plan)
     hook.remove()
-    trainer.correct_for_the_engine(run, batch)
-    results, _ = trainer.update(run, batch, routes)
-    metrics = trainer.step_metrics(run, 1, batch, samples, results, {}, trainer.Timers(), 1.0)
-    run.signals.uninstall()
-    run.scorer.close()
-    run.logger.close()
+    correct_for_the_engine(job.algo, run.ctx, batch)
+    results, _ = update(run, batch, plan, routes)
+    metrics = step_metrics(run.ctx, policy, batch, samples, minibatch_layouts(job, batch),
+                           results, {}, Timers(), 1.0)
+    _close(run)
     # The first mini-batch's rows (every position of them) against the rest's response tokens.
     first = torch.zeros(batch.rows, dtype=torch.bool)
     first[[row for layout in per_k[0] for row in layout.rows]] = True
     rest = ~first[:, None] & (batch.mask_BS > 0)
     first_resp = first[:, None] & (batch.mask_BS > 0)
-    recomputed = batch.recomputed_logp_BS
+    recomputed = batch.trainer_logp_BS
     none = torch.full_like(reference, float("nan")) if recomputed is None else recomputed
     mismatch, compared = batch.logprob_mismatch()
-    return {"source": job.behaviour_source(run.ctx.device.type),
+    return {"source": behaviour_source(job, run.ctx.device.type),
             "old_pass_forwards": len(fed), "micro_batches": len(layouts),
             "first_equal": torch.equal(batch.old_logp_BS[first], reference[first]),
             "first_is_engine": torch.equal(batch.old_logp_BS[first_resp],
@@ -141,7 +170,9 @@ def first_minibatch_job(cfg: dict) -> dict:
             # the trainer's own log-probs: where it computed them, and only there
             "recomputed_none": recomputed is None,
             "recomputed_first": torch.equal(none[first_resp], reference[first_resp]),
-            "recomputed_rest_nan": bool(none[~first].isnan().all()),
+            # ... and marked so: the trainer computed the first mini-batch's rows alone
+            "trainer_rows_first_only": batch.trainer_rows_B is not None
+            and torch.equal(batch.trainer_rows_B, first),
             # rollout/logprob_mismatch's terms: |engine - trainer| where the trainer has them
             "mismatch": mismatch, "compared": compared,
             "mismatch_metric": metrics.get("rollout/logprob_mismatch"),

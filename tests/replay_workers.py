@@ -29,11 +29,12 @@ def _sets_equal(a, b):
 
 def replay_job(parallel_kwargs, tokens_BS, engine_routes_BSLK, recompute, packed_lengths):
     from megatron_gspo.config import ModelConfig, ParallelConfig
-    from megatron_gspo.forward import MicroBatch, forward_backward
-    from megatron_gspo.logprobs import token_logprobs
-    from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.seqshard import pack_sequences
+    from megatron_gspo.batch.micro_batch import MicroBatch
+    from megatron_gspo.models.forward import forward_backward
+    from megatron_gspo.algorithms.logprobs import token_logprobs
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.distributed.parallel import init_parallel
+    from megatron_gspo.distributed.seqshard import pack_sequences
     from moe.drift import topk_agreement
     from moe.records import (RoutingRecord, RoutingRecordError, local_moe_layers, packed_routes,
                              rank_targets)
@@ -68,7 +69,7 @@ def replay_job(parallel_kwargs, tokens_BS, engine_routes_BSLK, recompute, packed
         logp, _ = token_logprobs(logits, m.targets_BS, group=ctx.tp_group)
         return -logp.mean(), {"logp": logp.detach()}
 
-    from megatron_gspo.optim import OptimConfig, wrap_and_build_optimizer, zero_grads
+    from megatron_gspo.trainer.optim import OptimConfig, wrap_and_build_optimizer, zero_grads
 
     ddp, optimizer = wrap_and_build_optimizer(gpt, ctx, OptimConfig(lr=0.05, clip_grad=0.0))
 

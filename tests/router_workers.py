@@ -9,7 +9,7 @@ def aux_loss_job(hf_dir, tokens_BS, mask_BS, cases):
     """``_aux_losses`` for each case ``(aux_coeff, z_coeff, model_overrides)``, in one process
     group."""
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.distributed.parallel import init_parallel
     from tests.model_workers import tiny_model_config
 
     ctx = init_parallel(ParallelConfig(), tiny_model_config(hf_dir), seed=0)
@@ -22,12 +22,13 @@ def _aux_losses(hf_dir, ctx, tokens_BS, mask_BS, aux_coeff, z_coeff, model_overr
     [s, b] order) to check them by hand; also the expert bias after the update."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from megatron_gspo import router_losses
-    from megatron_gspo.forward import MicroBatch, forward_backward
-    from megatron_gspo.hf_qwen3moe import load_hf_weights
-    from megatron_gspo.logprobs import token_logprobs
-    from megatron_gspo.model import build_model
-    from megatron_gspo.optim import OptimConfig, wrap_and_build_optimizer, zero_grads
+    from megatron_gspo.models import router_losses
+    from megatron_gspo.batch.micro_batch import MicroBatch
+    from megatron_gspo.models.forward import forward_backward
+    from megatron_gspo.models.hf_mapping import load_hf_weights
+    from megatron_gspo.algorithms.logprobs import token_logprobs
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.trainer.optim import OptimConfig, wrap_and_build_optimizer, zero_grads
     from tests.model_workers import tiny_model_config
 
     cfg = dataclasses.replace(tiny_model_config(hf_dir), **(model_overrides or {}))

@@ -159,9 +159,10 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts, host="12
 
     warnings.filterwarnings("ignore")
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.hf_qwen3moe import TensorSource, gather_hf_state, load_hf_weights
-    from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.models.hf_io import TensorSource
+    from megatron_gspo.models.hf_mapping import gather_hf_state, load_hf_weights
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.distributed.parallel import init_parallel
     from megatron_gspo.rollout.local_engine import LocalEngine
     from megatron_gspo.rollout.types import SamplingParams
     from moe.replay import RoutingReplay
@@ -640,11 +641,12 @@ def trainer_sync_job(hf_dir, cases, prompts):
 
     warnings.filterwarnings("ignore")
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.hf_qwen3moe import load_hf_weights
-    from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import destroy_parallel, init_parallel
-    from megatron_gspo.rollout.sglang_engine import SGLangEngine, init_weights_update_group
-    from megatron_gspo.rollout.sglang_layout import ServerLayout
+    from megatron_gspo.models.hf_mapping import load_hf_weights
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.distributed.parallel import destroy_parallel, init_parallel
+    from megatron_gspo.rollout.sglang.engine import SGLangEngine
+    from megatron_gspo.rollout.sglang.weight_sync import init_weights_update_group
+    from megatron_gspo.rollout.sglang.layout import ServerLayout
     from megatron_gspo.rollout.types import SamplingParams
     from tests.model_workers import tiny_model_config
 

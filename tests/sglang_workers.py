@@ -35,17 +35,17 @@ def sglang_jobs(cfgs: list) -> list:
     the trainer builds its batch), and on rank 0 the logged metrics."""
     import torch.distributed as dist
 
-    from megatron_gspo import trainer
-    from megatron_gspo.config import job_from_dict
-    from megatron_gspo.parallel import destroy_parallel
+    from megatron_gspo.config.load import job_from_dict
+    from megatron_gspo.distributed.parallel import destroy_parallel
+    from megatron_gspo.trainer import loop as trainer
 
     out = []
-    make_batch = trainer.make_batch
+    make_batch = trainer.make_batch  # the loop's: a spy there sees every step's batch
     for cfg in cfgs:
         steps = []
 
-        def spy(run, samples, rewards):
-            batch, metrics = make_batch(run, samples, rewards)
+        def spy(job, ctx, samples, rewards, **kw):
+            batch, metrics = make_batch(job, ctx, samples, rewards, **kw)
             steps.append({"tokens": batch.tokens_BS1.tolist(),
                           "responses": [s.response_ids for s in samples],
                           "prompts": [s.prompt_ids for s in samples]})
@@ -76,26 +76,33 @@ def rollout_correction_job(cfg: dict) -> dict:
     the correction's metrics."""
     import torch
 
-    from megatron_gspo import trainer
-    from megatron_gspo.config import job_from_dict
+    from megatron_gspo.config.load import job_from_dict
+    from megatron_gspo.trainer.batching import make_batch
+    from megatron_gspo.trainer.behaviour import (behaviour_logprobs, correct_for_the_engine,
+                                                 step_plan)
+    from megatron_gspo.trainer.generation import rollout, score
+    from megatron_gspo.trainer.setup import setup
+    from megatron_gspo.trainer.warmup import init_weights
 
-    run = trainer.setup(job_from_dict(cfg))
+    job = job_from_dict(cfg)
+    run = setup(job)
     try:
-        trainer.init_weights(run, cfg["trainer"]["init_from"])
-        records, samples = trainer.rollout(run, 1)
-        rewards, _ = trainer.score(run, records, samples)
-        batch, _ = trainer.make_batch(run, samples, rewards)
+        init_weights(run.policy.gpt, job, run.ctx, cfg["trainer"]["init_from"])
+        records, samples = rollout(job, run.ctx, run.prompts, run.engine, 1)
+        rewards, _ = score(run.prompts, run.ctx, records, samples)
+        batch, _ = make_batch(job, run.ctx, samples, rewards,
+                              pad_id=run.prompts.tokenizer.pad_id)
         batch.advantages_B = torch.linspace(-1, 1, batch.rows)  # no row without a signal
         before = batch.advantages_B.clone()
-        trainer.old_logprobs(run, batch)
-        metrics = trainer.correct_for_the_engine(run, batch)
+        behaviour_logprobs(run, batch, step_plan(run, batch))
+        metrics = correct_for_the_engine(job.algo, run.ctx, batch)
         responses = [batch.tokens_BS1[i, 1:][batch.mask_BS[i] > 0].tolist()
                      for i in range(batch.rows)]
         return {"responses": responses, "before": before.tolist(),
                 "after": batch.advantages_B.tolist(), "metrics": metrics,
-                "mismatch": float(((batch.recomputed_logp_BS - batch.engine_logp_BS).abs()
+                "mismatch": float(((batch.trainer_logp_BS - batch.engine_logp_BS).abs()
                                    * batch.mask_BS).sum() / batch.mask_BS.sum())}
     finally:
         run.signals.uninstall()
-        run.scorer.close()
+        run.prompts.scorer.close()
         run.logger.close()

@@ -14,8 +14,8 @@ def cp_loss_job(algos, batches, cp, options):
 
 
 def _cp_loss(algo, logp, old, adv, mask, cp, options):
-    from megatron_gspo.losses import shard_policy_loss
-    from megatron_gspo.seqshard import SequenceReducer, TokenShard, zigzag_index
+    from megatron_gspo.algorithms.losses import shard_policy_loss
+    from megatron_gspo.distributed.seqshard import SequenceReducer, TokenShard, zigzag_index
 
     rank = dist.get_rank()
     b, t = logp.shape
@@ -32,8 +32,8 @@ def _cp_loss(algo, logp, old, adv, mask, cp, options):
 
 def tp_loss_job(algo, logits, target, old, adv, mask):
     """Vocab-sharded logits -> log-probs (no vocab gather) -> loss; grad of this rank's shard."""
-    from megatron_gspo.logprobs import token_logprobs
-    from megatron_gspo.losses import policy_loss
+    from megatron_gspo.algorithms.logprobs import token_logprobs
+    from megatron_gspo.algorithms.losses import policy_loss
 
     dist.init_process_group("gloo", init_method="env://")
     rank = dist.get_rank()

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megatron_gspo.advantages import group_advantages, informative_groups
+from megatron_gspo.algorithms.advantages import group_advantages, informative_groups
 
 
 def test_matches_formula():
@@ -35,7 +35,7 @@ def test_wrong_shapes_fail_clearly(rewards, group):
 
 
 def test_overlong_penalty_is_dapos_linear_ramp():
-    from megatron_gspo.advantages import overlong_penalty
+    from megatron_gspo.algorithms.advantages import overlong_penalty
 
     # limit 8, buffer 4: free up to 4 tokens, then -1/4 per token, -1 at 8 and beyond
     got = overlong_penalty(torch.tensor([0, 4, 5, 6, 7, 8, 9]), 8, 4)
@@ -45,7 +45,7 @@ def test_overlong_penalty_is_dapos_linear_ramp():
 
 
 def test_select_groups_keeps_informative_groups_in_order():
-    from megatron_gspo.advantages import informative_groups, select_groups
+    from megatron_gspo.algorithms.advantages import informative_groups, select_groups
 
     rewards = torch.tensor([1.0, 1, 0, 1, 0, 0, 1, 0])  # groups of 2: [1,1] [0,1] [0,0] [1,0]
     keep, drop = select_groups(informative_groups(rewards, 2), 2, wanted=5)

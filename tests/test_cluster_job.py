@@ -315,7 +315,7 @@ def group_timeouts_job(timeout_s: float) -> dict:
     import torch
 
     from megatron_gspo.config import ModelConfig, ParallelConfig
-    from megatron_gspo.parallel import destroy_parallel, init_parallel
+    from megatron_gspo.distributed.parallel import destroy_parallel, init_parallel
 
     def seconds(group):
         return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
@@ -396,9 +396,9 @@ def recompute_job(hf_dir, tokens_BS) -> dict:
     import dataclasses
 
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.hf_qwen3moe import load_hf_weights
-    from megatron_gspo.model import build_model, transformer_config
-    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.models.hf_mapping import load_hf_weights
+    from megatron_gspo.models.model import build_model, transformer_config
+    from megatron_gspo.distributed.parallel import init_parallel
     from tests.model_workers import logprob_pass, tiny_model_config
 
     cfg = tiny_model_config(hf_dir)

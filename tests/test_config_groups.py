@@ -10,7 +10,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from megatron_gspo.__main__ import check_group_choices
-from megatron_gspo.config import ConfigError, job_from_dict, register_configs
+from megatron_gspo.algorithms.behaviour import behaviour_source
+from megatron_gspo.config import ConfigError
+from megatron_gspo.config.load import job_from_dict, register_configs
 
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 GROUPS = ["model", "parallel", "algo", "rollout", "replay", "data", "trainer", "logging", "cluster"]
@@ -52,7 +54,7 @@ def served_checkpoint(model: dict) -> str:
     import tempfile
 
     from megatron_gspo.config import ModelConfig
-    from megatron_gspo.hf_qwen3moe import hf_config_from_model
+    from megatron_gspo.models.hf_config import hf_config_from_model
 
     key = json.dumps(model, sort_keys=True)
     if key not in SERVED:
@@ -131,7 +133,7 @@ def test_arms_and_experiments_compose(composer):
     for experiment in ("paper_tiny", "paper_small"):  # every arm the same behaviour log-probs
         for arm in options("arm"):
             job = validate(composer([f"+experiment={experiment}", f"+arm={arm}"]))
-            assert job.behaviour_source("cpu") == "recompute", (experiment, arm)
+            assert behaviour_source(job, "cpu") == "recompute", (experiment, arm)
     big = validate(composer(fill(["+experiment=qwen3_30b_a3b", "+arm=gspo", "data=files",
                                   "rollout=sglang"])))
     assert big.model.name == "qwen3_30b_a3b" and big.rollout.engine == "sglang"
@@ -256,7 +258,7 @@ AUTO_SOURCES = [  # (overrides, device, where ``algo.old_logprobs=auto`` takes t
 @pytest.mark.parametrize("overrides,device,source", AUTO_SOURCES,
                          ids=[" ".join(o) + " " + d for o, d, _ in AUTO_SOURCES])
 def test_behaviour_logprobs_source(composer, overrides, device, source):
-    assert validate(composer(overrides)).behaviour_source(device) == source
+    assert behaviour_source(validate(composer(overrides)), device) == source
 
 
 def test_model_from_checkpoint_reads_the_shape_from_its_config(composer, qwen3_30b_dir):

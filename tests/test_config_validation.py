@@ -62,7 +62,7 @@ def test_bad_model_config(field, value, key):
 
 
 def test_init_parallel_fails_before_creating_any_group(monkeypatch):
-    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.distributed.parallel import init_parallel
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="parallel.sequence_parallel"):
@@ -71,7 +71,7 @@ def test_init_parallel_fails_before_creating_any_group(monkeypatch):
 
 
 def test_unknown_key_is_named():
-    from megatron_gspo.config import to_dataclass
+    from megatron_gspo.config.load import to_dataclass
 
     with pytest.raises(ConfigError, match=r"^tensor_parallel=2: .*fix: use one of tp, pp"):
         to_dataclass(ParallelConfig, {"tensor_parallel": 2})

@@ -5,8 +5,8 @@ GSPO reduction's traffic over the CP group independent of the sequence length.""
 import pytest
 import torch
 
-from megatron_gspo.forward import MicroBatch
-from megatron_gspo.seqshard import pack_sequences, zigzag_index
+from megatron_gspo.batch.micro_batch import MicroBatch
+from megatron_gspo.distributed.seqshard import pack_sequences, zigzag_index
 from tests.cp_workers import cp_job
 from tests.distributed import run_ranks
 

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.correction import rollout_weights
-from megatron_gspo.losses import DEFAULT_CLIP, policy_loss
+from megatron_gspo.algorithms.correction import rollout_weights
+from megatron_gspo.algorithms.losses import DEFAULT_CLIP, policy_loss
 from tests.test_losses import batch, value_and_grad
 
 D = torch.float64

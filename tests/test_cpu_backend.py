@@ -5,7 +5,10 @@ import math
 import pytest
 import torch
 
-from megatron_gspo import cpu_backend, te
+from megatron_gspo.backends import backend_for
+from megatron_gspo.backends.cpu import megatron as cpu_backend
+from megatron_gspo.backends.cpu.adaptation import TORCH_ON_CPU
+from megatron_gspo.models import te
 from tests.distributed import run_ranks
 from tests.backend_workers import (backend_before_and_after, gloo_bucket_collectives,
                                    redirect_probe_on_clean_module)
@@ -76,18 +79,21 @@ def test_redirect_switches_off_for_a_module_without_cuda_use():
 
 
 def test_dispatcher_and_init_choices():
-    assert cpu_backend.moe_dispatcher(torch.device("cpu")) == "allgather"
-    assert cpu_backend.moe_dispatcher(torch.device("cuda", 0)) == "alltoall"
-    assert cpu_backend.model_init_on_cpu(torch.device("cpu"))
-    assert not cpu_backend.model_init_on_cpu(torch.device("cuda", 0))
+    cpu, gpu = backend_for(torch.device("cpu")), backend_for(torch.device("cuda", 0))
+    assert (cpu.name, gpu.name) == ("cpu", "gpu")
+    assert cpu.token_dispatcher == "allgather" and gpu.token_dispatcher == "alltoall"
+    assert cpu.init_on_cpu and not gpu.init_on_cpu
+    assert cpu.decoder is not None and gpu.decoder is None
+    assert issubclass(cpu.norm, gpu.norm) and issubclass(cpu.attention, gpu.attention)
+    assert issubclass(cpu.experts, gpu.experts)
 
 
 def test_torch_proxy_maps_only_cuda_devices():
-    t = cpu_backend.TORCH_ON_CPU.zeros(2, device="cuda")
+    t = TORCH_ON_CPU.zeros(2, device="cuda")
     assert t.device.type == "cpu"
-    assert cpu_backend.TORCH_ON_CPU.cuda.current_device() == "cpu"
-    assert cpu_backend.TORCH_ON_CPU.cuda.synchronize() is None
-    assert cpu_backend.TORCH_ON_CPU.float32 is torch.float32
+    assert TORCH_ON_CPU.cuda.current_device() == "cpu"
+    assert TORCH_ON_CPU.cuda.synchronize() is None
+    assert TORCH_ON_CPU.float32 is torch.float32
 
 
 def test_te_facade_fallback():

@@ -13,8 +13,8 @@ import threading
 import pytest
 import torch
 
-from megatron_gspo import cpu_kernels
-from megatron_gspo.grouped_experts import _ExpertsSwiGLU
+from megatron_gspo.backends.cpu import kernels as cpu_kernels
+from megatron_gspo.backends.cpu.experts import _ExpertsSwiGLU
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

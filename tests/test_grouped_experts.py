@@ -51,7 +51,7 @@ def test_groups_padded_for_hopper_give_the_same_results():
     import torch
     import torch.nn.functional as F
 
-    from megatron_gspo.grouped_experts import grouped_linear, pad_groups
+    from megatron_gspo.models.grouped_experts import grouped_linear, pad_groups
 
     g = torch.Generator().manual_seed(0)
     counts = torch.tensor([5, 0, 17, 1])

@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_gspo.hf_qwen3moe import (HFCheckpoint, HFCheckpointError, hf_config_from_model,
-                                       model_config_from_hf, write_hf_checkpoint)
+from megatron_gspo.models.hf_io import HFCheckpoint, write_hf_checkpoint
+from megatron_gspo.models.hf_config import (HFCheckpointError, hf_config_from_model,
+                                            model_config_from_hf)
 from tests.distributed import run_ranks
 from tests.model_workers import malformed_hf_job
 

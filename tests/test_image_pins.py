@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from megatron_gspo.rollout.sglang_engine import SGLANG_VERSION
+from megatron_gspo.rollout.sglang.facade import SGLANG_VERSION
 from tools.check_image_pins import ROOT, check_repository, problems
 
 

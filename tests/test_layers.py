@@ -14,7 +14,7 @@ def test_sdpa_attention_matches_megatron_unfused_attention():
 
 
 def test_length_buckets_cover_every_sequence_within_the_ratio():
-    from megatron_gspo.layers import length_buckets
+    from megatron_gspo.models.layers import length_buckets
 
     lengths = [5, 0, 40, 19, 20, 1, 11, 39, 3]
     buckets = length_buckets(lengths)
@@ -30,7 +30,7 @@ def test_bucket_plan_of_shared_prefixes_written_out():
     with its first key; outputs only at its own tokens."""
     import torch
 
-    from megatron_gspo.layers import bucket_plan
+    from megatron_gspo.models.layers import bucket_plan
 
     (bucket,) = bucket_plan((0, 3, 5, 5, 9), "cpu", (-1, 0, 0, -1))
     assert bucket.index.tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 5], [0, 1, 2, 0, 0],
@@ -43,14 +43,19 @@ def test_bucket_plan_of_shared_prefixes_written_out():
     assert bucket.index.dtype == bucket.outputs.dtype == torch.long
 
 
-def test_packed_causal_attention_equals_each_sequence_alone_with_gradients():
+@pytest.mark.parametrize("backend", ["generic", "cpu"])
+def test_packed_causal_attention_equals_each_sequence_alone_with_gradients(backend):
     """Buckets of right-padded sequences: outputs and the gradients of q, k, v equal causal SDPA
-    on each sequence alone (GQA; lengths over several buckets, one of them a single token, the
-    short ones through the matmul kernel, one of 40-70 keys through SDPA's)."""
+    on each sequence alone (GQA; lengths over several buckets, one of them a single token; the
+    generic function runs every bucket through SDPA, the CPU backend's the short ones through
+    its matmul kernel and one of 40-70 keys through SDPA's)."""
     import torch
     import torch.nn.functional as F
 
-    from megatron_gspo.layers import bucket_plan, packed_causal_attention
+    from megatron_gspo.backends.cpu.attention import cpu_packed_attention
+    from megatron_gspo.models.layers import bucket_plan, packed_causal_attention
+
+    attend = packed_causal_attention if backend == "generic" else cpu_packed_attention
 
     g = torch.Generator().manual_seed(0)
     lengths = [9, 1, 4, 17, 40, 8, 16, 70, 3]
@@ -73,8 +78,7 @@ def test_packed_causal_attention_equals_each_sequence_alone_with_gradients():
                 enable_gqa=True).transpose(0, 1))
         return torch.cat(parts)
 
-    ours = grads(lambda q, k, v: packed_causal_attention(
-        q, k, v, bucket_plan(cu.tolist(), "cpu")))
+    ours = grads(lambda q, k, v: attend(q, k, v, bucket_plan(cu.tolist(), "cpu")))
     reference = grads(alone)
     for a, b in zip(ours, reference):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # fp32 rounding, not masking
@@ -87,7 +91,8 @@ def test_packed_attention_kernels_agree_and_short_buckets_take_the_matmuls():
     matmuls (the autograd graph says which ran) and leaves a 70-key bucket on SDPA."""
     import torch
 
-    from megatron_gspo.layers import bucket_plan, packed_causal_attention
+    from megatron_gspo.backends.cpu.attention import cpu_packed_attention
+    from megatron_gspo.models.layers import bucket_plan
 
     g = torch.Generator().manual_seed(3)
     bounds, prefix_of = [0], []
@@ -107,7 +112,7 @@ def test_packed_attention_kernels_agree_and_short_buckets_take_the_matmuls():
 
     def run(**kw):
         q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
-        out = packed_causal_attention(q, k, v, plan, **kw)
+        out = cpu_packed_attention(q, k, v, plan, **kw)
         (out * weight).sum().backward()
         nodes, todo = set(), [out.grad_fn]
         while todo:  # the autograd graph's node names
@@ -133,7 +138,7 @@ def test_decode_attention_is_the_written_out_formula(heads, groups, masked):
     K and V of its group, float64; rows left-padded by different amounts."""
     import torch
 
-    from megatron_gspo.layers import decode_attention
+    from megatron_gspo.backends.cpu.attention import decode_attention
 
     g = torch.Generator().manual_seed(2)
     b, s, d = 4, 9, 5
@@ -172,7 +177,7 @@ def test_cpu_rms_norm_is_torchs_forward_and_the_written_out_backward(shape):
 
     import torch
 
-    from megatron_gspo.layers import RMSNorm
+    from megatron_gspo.backends.cpu.norm import CPURMSNorm as RMSNorm
 
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.float64):

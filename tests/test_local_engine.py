@@ -158,7 +158,7 @@ def test_logprobs_under_top_k_top_p_are_of_the_untruncated_distribution():
     tempered softmax: the quantity the trainer recomputes (algo.old_logprobs=engine relies on it)."""
     import torch
 
-    from megatron_gspo.rollout.local_engine import sample_next
+    from megatron_gspo.rollout.sampling import sample_next
     from megatron_gspo.rollout.types import SamplingParams
 
     g = torch.Generator().manual_seed(0)
@@ -188,7 +188,7 @@ def test_seeded_sampling_is_keyed_by_seed_and_step_and_follows_the_distribution(
 
     import torch
 
-    from megatron_gspo.rollout.local_engine import row_uniform, sample_next
+    from megatron_gspo.rollout.sampling import row_uniform, sample_next
     from megatron_gspo.rollout.types import SamplingParams
 
     seeds = torch.arange(200_000) * 7_919 + 2**40
@@ -217,7 +217,7 @@ def test_prefix_attention_is_the_written_out_formula(heads, groups):
     rule; a padding query that sees no key gets finite values (what it gets is never read)."""
     import torch
 
-    from megatron_gspo.layers import decode_attention
+    from megatron_gspo.backends.cpu.attention import decode_attention
 
     g = torch.Generator().manual_seed(3)
     b, t, d = 3, 6, 4

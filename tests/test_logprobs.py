@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.logprobs import linear_token_logprobs, token_logprobs
+from megatron_gspo.algorithms.logprobs import linear_token_logprobs, token_logprobs
 from tests.distributed import run_ranks
 
 

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from megatron_gspo.losses import DEFAULT_CLIP, policy_loss, sequence_totals, shard_policy_loss
-from megatron_gspo.seqshard import TokenShard
+from megatron_gspo.algorithms.losses import (DEFAULT_CLIP, policy_loss, sequence_totals,
+                                             shard_policy_loss)
+from megatron_gspo.distributed.seqshard import TokenShard
 
 D = torch.float64
 

@@ -5,7 +5,7 @@ alone and inside Megatron's optimizer step."""
 import pytest
 import torch
 
-from megatron_gspo.optim import foreach_l2_norm
+from megatron_gspo.trainer.optim import foreach_l2_norm
 from tests.distributed import run_layouts
 from tests.optim_workers import grad_norm_job
 

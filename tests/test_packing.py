@@ -10,9 +10,9 @@ import tempfile
 import pytest
 import torch
 
-from megatron_gspo.packing import (balanced_partition, first_fit_bins, micro_batch_bins,
-                                   minibatch_rows, plan_step, round_up)
-from megatron_gspo.rl_batch import Layout
+from megatron_gspo.batch.packing import (balanced_partition, first_fit_bins, micro_batch_bins,
+                                         minibatch_rows, plan_step, round_up)
+from megatron_gspo.batch.layout import Layout
 from tests.distributed import run_layouts
 from tests.packing_workers import PACKING, first_minibatch_job, rl_step_job
 from tests.trainer_workers import merge
@@ -131,7 +131,7 @@ def test_a_unit_over_the_budget_is_cut_into_units_that_fit(group_size):
     """Long responses: a prompt's 4 (interleaved) or 8 (whole groups) rows of ~4000 tokens would
     feed 16k or 32k tokens together; cut into units of 2 rows, every packed micro-batch stays
     within the 8192-token budget, each piece feeding the prompt once."""
-    from megatron_gspo.rl_batch import packed_layouts
+    from megatron_gspo.batch.layout import packed_layouts
 
     lengths = [[3990 + 7 * j for j in range(16)]]
     shares = [[(j // 8, 100) for j in range(16)]]
@@ -166,7 +166,7 @@ def test_rows_sharing_no_token_balance_as_rows_and_rounded_units_keep_the_budget
 def test_layouts_concatenated_for_a_forward_only_pass():
     """Packed layouts back to back: segments, shared prefixes (renumbered) and padding kept;
     consecutive ones grouped under the token budget, in order; padded layouts untouched."""
-    from megatron_gspo.rl_batch import forward_only_layouts
+    from megatron_gspo.batch.layout import forward_only_layouts
 
     values = torch.arange(5 * 8, dtype=torch.float32).reshape(5, 8) + 1
     a = Layout.packed_rows([0, 1], [5, 7], row_multiple=4, prefixes=[("p", 3), ("p", 3)])
@@ -186,7 +186,7 @@ def test_layouts_concatenated_for_a_forward_only_pass():
     for x in (a, b, c):
         x.scatter(ref, x.gather(values))
     assert torch.equal(back, ref)
-    from megatron_gspo.forward import packed_positions
+    from megatron_gspo.batch.micro_batch import packed_positions
 
     assert torch.equal(packed_positions(tuple(abc.cu_seqlens.tolist()), abc.prefix_of)[abc.valid_N],
                        abc.pos_N[abc.valid_N])
@@ -217,7 +217,7 @@ def test_a_shared_prompt_layout_feeds_the_prefix_once_and_covers_every_target():
     assert back[3, :5].tolist() == values[3, :5].tolist()
     assert back[1, 3:7].tolist() == values[1, 3:7].tolist() and back[1, :3].abs().sum() == 0
     assert back[0, :4].tolist() == values[0, :4].tolist()
-    from megatron_gspo.forward import packed_positions
+    from megatron_gspo.batch.micro_batch import packed_positions
 
     assert packed_positions(tuple(layout.cu_seqlens.tolist()), layout.prefix_of).tolist()[:13] \
         == layout.pos_N.tolist()[:13]
@@ -228,7 +228,7 @@ def test_a_shared_prompt_layout_feeds_the_prefix_once_and_covers_every_target():
 def test_shared_prefix_attention_equals_each_rows_own():
     """A sequence attending to a shared prefix gets the outputs, and gives the prefix the
     gradients, that it would as one causal sequence with the prefix as its first tokens."""
-    from megatron_gspo.layers import bucket_plan, packed_causal_attention
+    from megatron_gspo.models.layers import bucket_plan, packed_causal_attention
 
     torch.manual_seed(0)
     prefix, tails = 5, [3, 7, 1]
@@ -269,7 +269,7 @@ def test_shared_prefix_attention_equals_each_rows_own():
 
 
 def test_rows_share_a_prompt_only_with_the_same_tokens_and_routes():
-    from megatron_gspo.rl_batch import build_batch, prompt_shares
+    from megatron_gspo.batch.rollout_batch import build_batch, prompt_shares
     from megatron_gspo.rollout.types import Sample
 
     def sample(prompt, response, routes=None):
@@ -298,7 +298,7 @@ def test_build_batch_written_out_and_its_bad_samples():
     """Tokens padded to the width; a response of R tokens after a prompt of P has its targets
     (mask, engine log-probs) at positions P-1 .. P+R-2; a sample too wide, with no prompt or
     with a log-prob count other than its response's is refused by index."""
-    from megatron_gspo.rl_batch import build_batch
+    from megatron_gspo.batch.rollout_batch import build_batch
     from megatron_gspo.rollout.types import Sample
 
     def sample(prompt, response, logprobs=None):
@@ -467,9 +467,9 @@ def test_first_minibatch_behaviour_logprobs_come_from_its_update(parallel):
 
 def test_logprob_mismatch_compares_the_rows_the_trainer_has():
     """``RolloutBatch.logprob_mismatch``: sum |engine - trainer| and the count over response
-    tokens of the rows that have trainer log-probs (every row when ``recomputed_rows_B`` is
+    tokens of the rows that have trainer log-probs (every row when ``trainer_rows_B`` is
     None); NaN outside those rows is left out, NaN inside them makes the sum NaN (loud)."""
-    from megatron_gspo.rl_batch import RolloutBatch
+    from megatron_gspo.batch.rollout_batch import RolloutBatch
 
     mask = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1], [1, 1, 1, 0]], dtype=torch.float32)
     engine = torch.tensor([[0.0, -1.0, -2.0, 0.0], [0.0, 0.0, -0.5, -0.25],
@@ -481,13 +481,13 @@ def test_logprob_mismatch_compares_the_rows_the_trainer_has():
                          rewards_B=torch.zeros(3), lengths_B=torch.full((3,), 4),
                          prompt_lengths_B=torch.ones(3, dtype=torch.long))
     assert batch.logprob_mismatch() == (0.0, 0.0)  # no trainer log-probs at all
-    batch.recomputed_logp_BS = trainer
+    batch.trainer_logp_BS = trainer
     assert batch.logprob_mismatch() == (0.5 + 0.25 + 1.0 + 2.0 + 3 * 0.125, 7.0)
-    batch.recomputed_rows_B = torch.tensor([True, False, True])
-    batch.recomputed_logp_BS = trainer.clone()
-    batch.recomputed_logp_BS[1] = float("nan")  # a row the trainer has not computed
+    batch.trainer_rows_B = torch.tensor([True, False, True])
+    batch.trainer_logp_BS = trainer.clone()
+    batch.trainer_logp_BS[1] = float("nan")  # a row the trainer has not computed
     assert batch.logprob_mismatch() == (0.5 + 0.25 + 3 * 0.125, 5.0)
-    batch.recomputed_logp_BS[0, 2] = float("nan")  # a NaN where the trainer computed
+    batch.trainer_logp_BS[0, 2] = float("nan")  # a NaN where the trainer computed
     total, count = batch.logprob_mismatch()
     assert math.isnan(total) and count == 5.0
 
@@ -515,7 +515,7 @@ def test_engine_behaviour_logprobs_skip_the_pass(ranks, parallel):
             assert r["source"] == "engine" and r["old_pass_forwards"] == 0, (source, mode, r)
             assert r["rest_is_engine"], (source, mode, r)
             if source == "auto":
-                assert r["first_equal"] and r["recomputed_first"] and r["recomputed_rest_nan"], r
+                assert r["first_equal"] and r["recomputed_first"] and r["trainer_rows_first_only"], r
                 assert r["ratio"][0] == 1.0 and r["ratio"][1] != 1.0, r
                 assert r["compared"] == r["first_tokens"] < r["tokens"], r
                 assert r["mismatch"] == pytest.approx(r["first_mismatch"], rel=1e-6), r

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from megatron_gspo.evaluation import pass_at_k
+from megatron_gspo.trainer.evaluation import pass_at_k
 from tests.distributed import run_ranks
 from tests.trainer_workers import SHORT, merge, train_job
 
@@ -45,9 +45,9 @@ def ep2_run(tmp_path_factory):
 def checkpoint_logprobs_job(path, tokens_BS):
     """The trainer's per-token log-probs of ``tokens_BS`` with the weights of ``path``."""
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy_io import load_source, open_source
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.distributed.parallel import init_parallel
+    from megatron_gspo.checkpoint.export import load_source, open_source
     from tests.model_workers import logprob_pass
 
     src = open_source(path)
@@ -156,7 +156,7 @@ def test_tokenizer_files_travel_with_the_export(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from megatron_gspo.policy_io import copy_tokenizer_files
+    from megatron_gspo.checkpoint.export import copy_tokenizer_files
 
     raw = Tokenizer(models.WordLevel({"<eos>": 0, "hi": 1}, unk_token="<eos>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()

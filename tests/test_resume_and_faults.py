@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from megatron_gspo.checkpoint import check_complete
-from megatron_gspo.faults import NONFINITE_EXIT_CODE, REQUEUE_EXIT_CODE
+from megatron_gspo.checkpoint.manager import check_complete
+from megatron_gspo.trainer.faults import NONFINITE_EXIT_CODE, REQUEUE_EXIT_CODE
 from tests.distributed import run_ranks
 from tests.trainer_workers import (SHORT, merge, nan_update_job, read_metrics, step0_resume_job,
                                    to_overrides, train_job)

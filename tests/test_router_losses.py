@@ -83,7 +83,7 @@ def test_load_balancing_loss_of_no_tokens_is_zero_not_nan():
     import torch
     from megatron.core.transformer.moe import router
 
-    from megatron_gspo import router_losses
+    from megatron_gspo.models import router_losses
 
     assert router_losses._empty_batch_loss_is_nan()  # the installed megatron-core needs it
     assert router_losses.fix_empty_batch_aux_loss()

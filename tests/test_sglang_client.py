@@ -8,9 +8,12 @@ import socket
 
 import pytest
 
-from megatron_gspo.rollout.sglang_engine import (HAVE_SGLANG, RetryPolicy, SGLangClient,
-                                                 SGLangEngine, SGLangError, decode_routes,
-                                                 init_weights_update_group, launch_server)
+from megatron_gspo.rollout.sglang.engine import SGLangEngine
+from megatron_gspo.rollout.sglang.facade import HAVE_SGLANG
+from megatron_gspo.rollout.sglang.client import (RetryPolicy, SGLangClient, SGLangError,
+                                                 decode_routes)
+from megatron_gspo.rollout.sglang.weight_sync import init_weights_update_group
+from megatron_gspo.rollout.sglang.facade import launch_server
 from megatron_gspo.rollout.types import SamplingParams
 from tests.sglang_standin import start
 

@@ -16,7 +16,8 @@ import socket
 
 import pytest
 
-from megatron_gspo.rollout.sglang_engine import RetryPolicy, SGLangClient, SGLangEngine, SGLangError
+from megatron_gspo.rollout.sglang.client import RetryPolicy, SGLangClient, SGLangError
+from megatron_gspo.rollout.sglang.engine import SGLangEngine
 from megatron_gspo.rollout.types import SamplingParams
 from tests.distributed import run_ranks
 from tests.model_workers import tiny_model_config

@@ -11,7 +11,7 @@ def hf_model(tmp_path, **overrides):
     """(ModelConfig, {HF name: tensor}) of a saved transformers Qwen3-MoE of the tiny shape."""
     import json
 
-    from megatron_gspo.hf_qwen3moe import model_config_from_hf
+    from megatron_gspo.models.hf_config import model_config_from_hf
     from tests.conftest import load_hf_tensors, make_hf_checkpoint
 
     path = make_hf_checkpoint(str(tmp_path), **overrides)
@@ -34,7 +34,7 @@ CASES = [
 
 @pytest.mark.parametrize("name,overrides,tp,ep", CASES, ids=[c[0] for c in CASES])
 def test_rank_shards_match_sglang_loaders(name, overrides, tp, ep, tmp_path):
-    from megatron_gspo.rollout.sglang_layout import ServerLayout
+    from megatron_gspo.rollout.sglang.layout import ServerLayout
     from tests.sglang_standin import from_ranks, sglang_param_shapes, to_ranks
 
     cfg, hf = hf_model(tmp_path, **overrides)
@@ -60,7 +60,7 @@ def test_rank_shards_match_sglang_loaders(name, overrides, tp, ep, tmp_path):
 
 
 def test_padding_rows_are_zero(tmp_path):
-    from megatron_gspo.rollout.sglang_layout import ServerLayout
+    from megatron_gspo.rollout.sglang.layout import ServerLayout
 
     cfg, hf = hf_model(tmp_path, vocab_size=100)
     last = dict(ServerLayout(cfg, tp=2).rank_shards(hf, 1))
@@ -70,7 +70,7 @@ def test_padding_rows_are_zero(tmp_path):
 
 
 def test_a_parameter_split_over_buckets_is_refused(tmp_path):
-    from megatron_gspo.rollout.sglang_layout import ServerLayout, param_of
+    from megatron_gspo.rollout.sglang.layout import ServerLayout, param_of
 
     cfg, hf = hf_model(tmp_path)
     assert param_of("model.layers.2.self_attn.v_proj.weight") == \
@@ -88,8 +88,8 @@ def test_a_parameter_split_over_buckets_is_refused(tmp_path):
 @pytest.mark.parametrize("tp,ep,why", [(3, 1, "attention heads"), (4, 3, "multiple of ep"),
                                        (4, 1, "KV heads"), (2, 8, "multiple of ep")])
 def test_layouts_that_do_not_split_are_refused(tp, ep, why):
-    from megatron_gspo.hf_qwen3moe import model_config_from_hf
-    from megatron_gspo.rollout.sglang_layout import ServerLayout
+    from megatron_gspo.models.hf_config import model_config_from_hf
+    from megatron_gspo.rollout.sglang.layout import ServerLayout
     from tests.conftest import TINY_HF_CONFIG
 
     heads, kv = (12, 3) if why == "KV heads" else (8, 2)  # 3 KV heads over 4 ranks

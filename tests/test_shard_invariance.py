@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from megatron_gspo.losses import policy_loss
+from megatron_gspo.algorithms.losses import policy_loss
 from tests.distributed import run_ranks
 from tests.shard_workers import cp_loss_job, tp_loss_job
 from tests.test_losses import batch, value_and_grad

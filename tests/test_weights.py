@@ -47,7 +47,7 @@ def test_checkpoint_from_pp2_ep2_loads_into_other_layouts(saved, loaded, world, 
 
 
 def test_missing_checkpoint_is_named(tmp_path):
-    from megatron_gspo.weights import read_model_config
+    from megatron_gspo.checkpoint.weights import read_model_config
 
     with pytest.raises(FileNotFoundError, match="no model_config.json"):
         read_model_config(str(tmp_path))

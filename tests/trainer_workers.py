@@ -51,8 +51,8 @@ def train_job(cfg: dict) -> dict:
     """Run the trainer in this rank; rank 0 returns the metrics rows and the history."""
     import torch.distributed as dist
 
-    from megatron_gspo import trainer
-    from megatron_gspo.config import job_from_dict
+    from megatron_gspo.trainer import loop as trainer
+    from megatron_gspo.config.load import job_from_dict
 
     history = trainer.train(job_from_dict(cfg))
     if dist.get_rank() != 0:
@@ -65,23 +65,26 @@ def _forced_micro_batches(run) -> list:
     [-1, 1]: a gradient whatever the rewards."""
     import torch
 
-    from megatron_gspo import trainer
-    from megatron_gspo.rl_batch import Layout, micro_batch
+    from megatron_gspo.batch.layout import Layout
+    from megatron_gspo.batch.micro_batch import micro_batch
+    from megatron_gspo.trainer.batching import make_batch, unpack
+    from megatron_gspo.trainer.generation import rollout, score
+    from megatron_gspo.trainer.passes import logprob_pass
 
-    from megatron_gspo.policy import logprob_pass
-
-    records, samples = trainer.rollout(run, 1)
-    batch, _ = trainer.make_batch(run, samples, trainer.score(run, records, samples)[0])
+    job, ctx, pad = run.job, run.ctx, run.prompts.tokenizer.pad_id
+    records, samples = rollout(job, ctx, run.prompts, run.engine, 1)
+    batch, _ = make_batch(job, ctx, samples, score(run.prompts, ctx, records, samples)[0],
+                          pad_id=pad)
     batch.advantages_B = torch.linspace(-1, 1, batch.rows)
-    size = run.job.trainer.micro_batch_size
+    size = job.trainer.micro_batch_size
     layouts = [Layout(tuple(range(i, min(i + size, batch.rows))))
                for i in range(0, batch.rows, size)]
-    mbs = [micro_batch(batch, layout, run.tokenizer.pad_id) for layout in layouts]
+    mbs = [micro_batch(batch, layout, pad) for layout in layouts]
     # every row's behaviour log-probs, by a pass of their own (these micro-batches are not the
     # trainer's mini-batches, whose first one takes them from its update)
-    logp, _ = logprob_pass(run.ddp, mbs, run.ctx, temperature=run.job.rollout.temperature)
-    batch.old_logp_BS = trainer._unpack(batch, layouts, logp)
-    return [micro_batch(batch, layout, run.tokenizer.pad_id) for layout in layouts]
+    logp, _ = logprob_pass(run.policy.ddp, mbs, ctx, temperature=job.rollout.temperature)
+    batch.old_logp_BS = unpack(batch, layouts, logp)
+    return [micro_batch(batch, layout, pad) for layout in layouts]
 
 
 def nan_update_job(cfg: dict) -> dict:
@@ -89,42 +92,42 @@ def nan_update_job(cfg: dict) -> dict:
     skipped on every rank with the weights and the optimizer state bitwise unchanged."""
     import torch
 
-    from megatron_gspo import trainer
-    from megatron_gspo.config import job_from_dict
+    from megatron_gspo.config.load import job_from_dict
+    from megatron_gspo.trainer.passes import normalizer_for, policy_update
+    from megatron_gspo.trainer.setup import build_rl_optimizer, setup
 
     job = job_from_dict(cfg)
-    run = trainer.setup(job)
-    trainer.build_rl_optimizer(run)
-    from megatron_gspo.policy import normalizer_for, policy_update
-
+    run = setup(job)
+    build_rl_optimizer(job, run.policy, run.ctx)
+    policy = run.policy
     mbs = _forced_micro_batches(run)
 
     def snapshot():
-        params = [p.detach().clone() for p in run.gpt.parameters()]
-        moments = [v.detach().clone() for o in getattr(run.optimizer, "chained_optimizers",
-                                                        [run.optimizer])
+        params = [p.detach().clone() for p in policy.gpt.parameters()]
+        moments = [v.detach().clone() for o in getattr(policy.optimizer, "chained_optimizers",
+                                                        [policy.optimizer])
                    for s in o.optimizer.state.values() for v in s.values()
                    if torch.is_tensor(v)]
         return params, moments
 
     def step(inject):
-        return policy_update(run.ddp, run.optimizer, mbs, run.ctx, job.algo, temperature=1.0,
-                             normalizer=normalizer_for(job.algo, mbs, run.ctx), guard=run.guard,
-                             where="test", inject_nan=inject)
+        return policy_update(policy.ddp, policy.optimizer, mbs, run.ctx, job.algo,
+                             temperature=1.0, normalizer=normalizer_for(job.algo, mbs, run.ctx),
+                             guard=policy.guard, where="test", inject_nan=inject)
 
     first = step(False)
     p0, m0 = snapshot()
     second = step(True)
     p1, m1 = snapshot()
     out = {"first_applied": first.applied, "second_applied": second.applied,
-           "skipped": run.guard.skipped,
+           "skipped": policy.guard.skipped,
            "params_equal": all(torch.equal(a, b) for a, b in zip(p0, p1)),
            "moments_equal": len(m0) == len(m1) and all(torch.equal(a, b) for a, b in zip(m0, m1)),
            "num_moments": len(m0)}
     third = step(False)
     out["third_applied"] = third.applied
     out["params_changed_after"] = not all(torch.equal(a, p.detach())
-                                          for a, p in zip(p1, run.gpt.parameters()))
+                                          for a, p in zip(p1, policy.gpt.parameters()))
     run.signals.uninstall()
     run.logger.close()
     return out
@@ -136,35 +139,37 @@ def step0_resume_job(cfg: dict) -> dict:
     and Adam steps (the loaded optimizer starts fresh: no state, no step taken)."""
     import torch
 
-    from megatron_gspo import trainer
-    from megatron_gspo.config import job_from_dict
-    from megatron_gspo.policy import normalizer_for, policy_update
+    from megatron_gspo.config.load import job_from_dict
+    from megatron_gspo.trainer.checkpoints import save
+    from megatron_gspo.trainer.passes import normalizer_for, policy_update
+    from megatron_gspo.trainer.setup import build_rl_optimizer, setup
 
     job = job_from_dict(cfg)
-    run = trainer.setup(job)
-    trainer.build_rl_optimizer(run)
-    path = trainer.save(run, 0)
+    run = setup(job)
+    policy = run.policy
+    build_rl_optimizer(job, policy, run.ctx)
+    path = save(run, 0)
     mbs = _forced_micro_batches(run)
 
     def params():
-        return [p.detach().clone() for p in run.gpt.parameters()]
+        return [p.detach().clone() for p in policy.gpt.parameters()]
 
     def adam_steps():
-        return sorted({float(s["step"]) for o in getattr(run.optimizer, "chained_optimizers",
-                                                          [run.optimizer])
+        return sorted({float(s["step"]) for o in getattr(policy.optimizer, "chained_optimizers",
+                                                          [policy.optimizer])
                        for s in o.optimizer.state.values() if "step" in s})
 
     def two_updates():
         for _ in range(2):
-            policy_update(run.ddp, run.optimizer, mbs, run.ctx, job.algo, temperature=1.0,
-                          normalizer=normalizer_for(job.algo, mbs, run.ctx), guard=run.guard,
+            policy_update(policy.ddp, policy.optimizer, mbs, run.ctx, job.algo, temperature=1.0,
+                          normalizer=normalizer_for(job.algo, mbs, run.ctx), guard=policy.guard,
                           where="test")
 
     start = params()
     two_updates()
     fresh, fresh_steps = params(), adam_steps()
-    trainer.build_rl_optimizer(run)
-    run.ckpt.load(path, model=run.gpt, optimizer=run.optimizer)
+    build_rl_optimizer(job, policy, run.ctx)
+    run.ckpt.load(path, model=policy.gpt, optimizer=policy.optimizer)
     out = {"weights_restored": all(torch.equal(a, b) for a, b in zip(start, params())),
            "steps_after_load": adam_steps()}
     two_updates()

@@ -9,7 +9,7 @@ from typing import Callable
 def run_guarded(name: str, body: Callable[[], None], errors: tuple) -> int:
     """Run a tool's ``body``: an expected error (one of ``errors``) ends it with one line
     ``NAME: message`` and exit code 2; Megatron's groups are torn down either way."""
-    from megatron_gspo.parallel import destroy_parallel
+    from megatron_gspo.distributed.parallel import destroy_parallel
 
     try:
         body()

@@ -96,7 +96,7 @@ def problems(dockerfile: str, requirements: str, setup_text: str, *, megatron_re
 
 
 def check_repository(root: str = ROOT) -> tuple[list, dict]:
-    from megatron_gspo.rollout.sglang_engine import SGLANG_VERSION
+    from megatron_gspo.rollout.sglang.facade import SGLANG_VERSION
 
     def read(*parts):
         with open(os.path.join(root, *parts)) as f:

@@ -39,14 +39,16 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    from megatron_gspo.checkpoint import CheckpointError
+    from megatron_gspo.checkpoint.manager import CheckpointError
     from megatron_gspo.config import ConfigError, ParallelConfig
-    from megatron_gspo.hf_qwen3moe import (HFCheckpoint, HFCheckpointError, load_hf_weights,
-                                           model_config_from_hf)
-    from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy_io import HF_CONFIG_FILE, export_hf_dir, load_source, open_source
-    from megatron_gspo.weights import save_weights
+    from megatron_gspo.models.hf_io import HFCheckpoint
+    from megatron_gspo.models.hf_config import HFCheckpointError, model_config_from_hf
+    from megatron_gspo.models.hf_mapping import load_hf_weights
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.distributed.parallel import init_parallel
+    from megatron_gspo.checkpoint.export import (HF_CONFIG_FILE, export_hf_dir, load_source,
+                                                 open_source)
+    from megatron_gspo.checkpoint.weights import save_weights
 
     layout = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                             sequence_parallel=args.sequence_parallel)

@@ -50,10 +50,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _records(args, src):
     """(prompt records, reward name, tokenizer spec, max new tokens) of this evaluation."""
-    from megatron_gspo.config import job_from_dict
+    from megatron_gspo.config.load import job_from_dict
     from megatron_gspo.data.prompts import read_prompt_file
     from megatron_gspo.data.synthetic import make_task
-    from megatron_gspo.trainer import load_data
+    from megatron_gspo.trainer.setup import load_data
 
     job = job_from_dict(src.job) if src.job is not None else None
     reward = args.reward or (job.data.reward if job else "exact_match")
@@ -75,15 +75,16 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     import torch
 
-    from megatron_gspo.checkpoint import CheckpointError
+    from megatron_gspo.checkpoint.manager import CheckpointError
     from megatron_gspo.config import ConfigError, ParallelConfig
     from megatron_gspo.data.prompts import PromptDataError
     from megatron_gspo.data.tokenizer import load_tokenizer
-    from megatron_gspo.evaluation import evaluate_records, score_samples
-    from megatron_gspo.hf_qwen3moe import HFCheckpointError
-    from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy_io import load_source, open_source
+    from megatron_gspo.rewards.scoring import score_samples
+    from megatron_gspo.trainer.evaluation import evaluate_records
+    from megatron_gspo.models.hf_config import HFCheckpointError
+    from megatron_gspo.models.model import build_model
+    from megatron_gspo.distributed.parallel import init_parallel
+    from megatron_gspo.checkpoint.export import load_source, open_source
     from megatron_gspo.rewards import get_reward
     from megatron_gspo.rewards.pool import InlineScorer
     from megatron_gspo.rollout.local_engine import LocalEngine

@@ -152,7 +152,7 @@ def _compose(overrides: list[str]):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from megatron_gspo.config import conf_dir, job_from_dict, register_configs
+    from megatron_gspo.config.load import conf_dir, job_from_dict, register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
@@ -175,7 +175,7 @@ def model_overrides(model_path: str, sglang: bool) -> list[str]:
 def plan(args, overrides: list[str]) -> list[str]:
     """The plan's lines; raises ``ConfigError`` when the job does not validate or fit."""
     from megatron_gspo.config import ConfigError
-    from megatron_gspo.checkpoint import optimizer_format
+    from megatron_gspo.checkpoint.manager import optimizer_format
 
     import torch
 

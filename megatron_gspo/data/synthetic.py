@@ -1,5 +1,5 @@
 """Synthetic verifiable tasks that a tiny model learns on a CPU, generated deterministically from
-a seed, with exact-match rewards.
+a seed, scored by the rewards of ``rewards.text``.
 
 - ``add``: "a+b=" -> the decimal sum (operands up to ``max_value``)
 - ``reverse``: "rev:xyz=" -> "zyx" (lower-case letters, ``min_len`` to ``max_len`` of them)
@@ -13,7 +13,7 @@ import random
 import string
 
 from megatron_gspo.data.prompts import PromptRecord
-from megatron_gspo.rewards import RewardInput, RewardResult, register_reward
+
 
 TASKS = ("add", "reverse", "sort")
 
@@ -39,23 +39,3 @@ def make_task(name: str, n: int, *, seed: int, max_value: int = 9, max_len: int 
         out.append(PromptRecord(prompt=prompt, messages=None, answer=answer,
                                 metadata={"task": name}, source=f"{name}:{seed}:{i}"))
     return out
-
-
-@register_reward("exact_match")
-def exact_match(sample: RewardInput) -> RewardResult:
-    """1 when the response (up to end of text, surrounding spaces ignored) equals the answer."""
-    got = (sample.response or "").strip()
-    ok = got == str(sample.answer).strip()
-    return RewardResult(1.0 if ok else 0.0, {} if ok else {"reason": "wrong answer",
-                                                           "got": got[:50]})
-
-
-@register_reward("char_match")
-def char_match(sample: RewardInput) -> RewardResult:
-    """The fraction of the answer's characters that the response has at the same position (a
-    response of another length loses the missing or extra positions): 1 only for an exact
-    match."""
-    got, want = (sample.response or "").strip(), str(sample.answer).strip()
-    right = sum(a == b for a, b in zip(got, want))
-    score = right / max(len(got), len(want), 1)
-    return RewardResult(score, {} if score == 1.0 else {"reason": f"{right}/{len(want)} right"})

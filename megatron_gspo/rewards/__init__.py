@@ -1,44 +1,23 @@
 """Verifiable rewards, registered by name: each maps a ``RewardInput`` to a ``RewardResult``.
 
-``get_reward(name)`` returns the function (an unknown name lists the valid ones); ``RewardPool``
-scores many samples in bounded worker processes, turning exceptions and timeouts into reward 0
-with the reason counted.
+``get_reward(name)`` returns the function (an unknown name lists the valid ones); the built-in
+rewards are ``text`` (exact_match, char_match: the synthetic tasks), ``math`` and ``code``;
+``pool.RewardPool`` scores many samples in bounded worker processes, turning exceptions and
+timeouts into reward 0 with the reason counted; ``scoring`` scores a step's responses once per
+model replica.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable
 
+from megatron_gspo.rewards import code, math, text  # noqa: F401  (the built-in rewards register)
+from megatron_gspo.rewards.registry import REWARDS, RewardInput, RewardResult, register_reward
 
-@dataclass
-class RewardInput:
-    response: str  # the decoded response
-    answer: Any = None  # reference answer (math, synthetic tasks)
-    tests: Optional[list] = None  # [(stdin, expected stdout), ...] (code)
-    meta: dict = field(default_factory=dict)
-
-
-@dataclass
-class RewardResult:
-    score: float
-    details: dict = field(default_factory=dict)  # for logging; "reason" when the score is 0
-
-
-REWARDS: dict[str, Callable[[RewardInput], RewardResult]] = {}
-
-
-def register_reward(name: str):
-    def wrap(fn):
-        REWARDS[name] = fn
-        return fn
-    return wrap
+__all__ = ["REWARDS", "RewardInput", "RewardResult", "get_reward", "register_reward"]
 
 
 def get_reward(name: str) -> Callable[[RewardInput], RewardResult]:
-    from megatron_gspo.data import synthetic  # noqa: F401  (registration)
-    from megatron_gspo.rewards import code, math  # noqa: F401
-
     if name not in REWARDS:
         raise ValueError(f"unknown reward {name!r}; valid: {', '.join(sorted(REWARDS))}")
     return REWARDS[name]

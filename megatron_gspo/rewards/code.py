@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import re
 
-from megatron_gspo.rewards import RewardInput, RewardResult, register_reward
+from megatron_gspo.rewards.registry import RewardInput, RewardResult, register_reward
 from megatron_gspo.rewards.sandbox import run
+
 
 _FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
 

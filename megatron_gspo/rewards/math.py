@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from megatron_gspo.rewards import RewardInput, RewardResult, register_reward
+from megatron_gspo.rewards.registry import RewardInput, RewardResult, register_reward
+
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 

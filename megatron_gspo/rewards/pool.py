@@ -8,7 +8,7 @@ import multiprocessing as mp
 from collections import Counter
 from typing import Callable, Sequence
 
-from megatron_gspo.rewards import RewardInput, RewardResult
+from megatron_gspo.rewards.registry import RewardInput, RewardResult
 
 
 def _call(fn, sample):

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+
 # Each run gets its own unprivileged uid (when started as root), so that RLIMIT_NPROC, which counts
 # a uid's processes system-wide, is a per-sandbox budget and concurrent runs cannot starve each other.
 UID_BASE, UID_RANGE = 200_000, 100_000

@@ -16,6 +16,7 @@ Legend: ``B`` rows (prompts x samples), ``P`` padded prompt length, ``S`` P + ma
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -24,76 +25,13 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
-from megatron_gspo import comm
-from megatron_gspo.rollout import decode_step
-from megatron_gspo.grouped_experts import cached_expert_weights
-from megatron_gspo.layers import context_parallel_disabled
-from megatron_gspo.parallel import ParallelContext
+from megatron_gspo.backends import backend_for
+from megatron_gspo.distributed import comm
+from megatron_gspo.distributed.parallel import ParallelContext
+from megatron_gspo.models.grouped_experts import cached_expert_weights
+from megatron_gspo.models.layers import context_parallel_disabled
+from megatron_gspo.rollout.sampling import row_uniform, sample_next
 from megatron_gspo.rollout.types import Sample, SamplingParams, row_seed
-
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """x * c mod 2^32 for int64 tensors x < 2^32 without overflowing int64 (c split in halves)."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective 32-bit integer hash with full avalanche (C. Wellons' "lowbias32")."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def row_uniform(row_seeds: torch.Tensor, step: int) -> torch.Tensor:
-    """[B] uniform numbers in (0, 1) with 53 random bits (float64), a pure function of each row's
-    seed and the decoding step (a counter-based hash, for the whole batch at once on the seeds'
-    device): a row samples the same tokens whichever rank, batch or position in the batch
-    generates it."""
-    seeds = row_seeds.to(torch.int64)
-    key = _mix32((seeds & _MASK32) ^ _mix32(((seeds >> 32) & _MASK32) ^ 0x9E3779B9))
-    key = _mix32(key ^ _mix32(torch.full_like(key, (step * 0x632BE5AB + 1) & _MASK32)))
-    high = _mix32(key ^ 0x85EBCA6B) >> 5  # 27 bits
-    low = _mix32(key ^ 0xC2B2AE35) >> 6  # 26 bits
-    return ((high * 2 ** 26 + low).double() + 0.5) * (1.0 / 2 ** 53)
-
-
-def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator=None, uniform_B=None):
-    """(token [B], log-prob [B]) from last-position logits: greedy at temperature 0, else sampled
-    from softmax(logits / T) restricted to top-k / top-p (with ``uniform_B``, by inverting each
-    row's cumulative distribution, in float64, at its given uniform number: one random number per
-    row, not per vocabulary entry). The log-prob is of the untruncated tempered distribution
-    (T = 1 when greedy), which is what the trainer recomputes."""
-    logits = logits_BV.float()
-    if params.temperature == 0:
-        token = logits.argmax(-1)
-        logq = torch.log_softmax(logits, -1)
-        return token, logq.gather(-1, token[:, None])[:, 0]
-    logq = torch.log_softmax(logits / params.temperature, -1)
-    truncated = 0 < params.top_k < logq.shape[-1] or params.top_p < 1.0
-    filtered = logq.clone() if truncated else logq
-    if params.top_k > 0 and params.top_k < filtered.shape[-1]:
-        kth = filtered.topk(params.top_k, -1).values[:, -1:]
-        filtered[filtered < kth] = -float("inf")
-    if params.top_p < 1.0:
-        sorted_lq, order = filtered.sort(-1, descending=True)
-        cum = sorted_lq.exp().cumsum(-1)
-        drop = cum - sorted_lq.exp() > params.top_p  # keep the smallest prefix reaching top_p
-        sorted_lq[drop] = -float("inf")
-        filtered = torch.full_like(filtered, -float("inf")).scatter(-1, order, sorted_lq)
-    if uniform_B is not None:
-        cdf = torch.softmax(filtered.double(), -1).cumsum(-1)
-        # The first entry whose cumulative probability reaches u (scaled to the row's total, which
-        # rounding keeps a hair from 1): never an entry of probability 0.
-        point = uniform_B.to(cdf.device)[:, None] * cdf[:, -1:]
-        token = torch.searchsorted(cdf, point)[:, 0].clamp_(max=cdf.shape[-1] - 1)
-    else:
-        token = torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator)[:, 0]
-    return token, logq.gather(-1, token[:, None])[:, 0]
 
 
 def _cache_rows(icx, index: torch.Tensor) -> None:
@@ -112,6 +50,8 @@ def _cache_rows(icx, index: torch.Tensor) -> None:
 class LocalEngine:
     """Generates with ``gpt`` in this process; weight updates are the trainer's own, in place."""
 
+    runs_on_every_rank = True  # every rank of a replica holds its part of the model
+
     def __init__(self, gpt, ctx: ParallelContext, *, replay=None, pad_id: int = 0,
                  lockstep_group=None):
         """``lockstep_group``: ranks that generate different prompts but share collectives inside
@@ -121,7 +61,8 @@ class LocalEngine:
         self.lockstep = lockstep_group
         # The prefill and the decoding steps through ``decode_step`` where it mirrors the model
         # (a whole model on one CPU rank), else through the model's forward.
-        self.direct_decode = decode_step.unsupported(gpt, ctx) is None
+        self.decoder = backend_for(ctx.device).decoder
+        self.direct_decode = self.decoder is not None and self.decoder.unsupported(gpt, ctx) is None
 
     def health(self) -> bool:
         return True
@@ -142,7 +83,7 @@ class LocalEngine:
         ``recorded`` (the model's routers record their own otherwise)."""
         ctx, device = self.ctx, self.ctx.device
         if self.direct_decode:
-            logits, routes = decode_step.decode_step(
+            logits, routes = self.decoder.decode_step(
                 self.gpt, icx, tokens_BS.to(device), icx.sequence_len_offset, mask.to(device),
                 self.gpt.rotary_pos_emb(icx.max_sequence_length))
             if recorded is not None:
@@ -183,19 +124,30 @@ class LocalEngine:
         params.validate()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        g = self._start(prompts, samples_per_prompt, params, first_row, row_seeds)
+        with self._generation_mode() as recorded:
+            self._prefill(g, recorded)
+            self._decode(g, params, recorded)
+        self.decode_rows = [len(f) for f in g.fed]  # rows fed per decoding forward (for tests)
+        routes = self._routes(recorded.forwards, g) if self.replay is not None else None
+        return self._samples(g, params, routes)
+
+    def _start(self, prompts, samples_per_prompt: int, params: SamplingParams, first_row: int,
+               row_seeds) -> "_Generation":
+        """The rows (``samples_per_prompt`` per prompt), left-padded to one prompt length (the
+        lockstep group's), and their seeds."""
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(samples_per_prompt)]
-        b, n_prompts = len(rows), len(prompts)
+        b = len(rows)
         p_len = self._agree(max(len(p) for _, p in rows), b)
         s_len = p_len + params.max_new_tokens
         # The prefill runs each prompt once; its KV cache and last logits then go to the rows
         # of its samples (``of_row``: the prompt of each row).
-        tokens_UP = torch.full((n_prompts, p_len), self.pad_id, dtype=torch.long)
+        tokens_UP = torch.full((len(prompts), p_len), self.pad_id, dtype=torch.long)
         valid_BS = torch.zeros(b, s_len, dtype=torch.bool)
         for i, p in enumerate(prompts):
             tokens_UP[i, p_len - len(p):] = torch.tensor(list(p))
         for r, (_, p) in enumerate(rows):
             valid_BS[r, p_len - len(p):] = True
-        of_row = torch.arange(n_prompts).repeat_interleave(samples_per_prompt)
         if row_seeds is not None:
             if len(row_seeds) != b:
                 raise ValueError(f"{len(row_seeds)} row seeds for {b} rows")
@@ -204,86 +156,101 @@ class LocalEngine:
         seeds_B = None
         if row_seeds is not None and params.temperature > 0:
             seeds_B = torch.tensor(list(row_seeds), dtype=torch.int64, device=self.ctx.device)
+        n = params.max_new_tokens
+        return _Generation(
+            rows=rows, samples_per_prompt=samples_per_prompt, p_len=p_len, tokens_UP=tokens_UP,
+            valid_BS=valid_BS,
+            of_row=torch.arange(len(prompts)).repeat_interleave(samples_per_prompt),
+            seeds_B=seeds_B,
+            icx=StaticInferenceContext(max_batch_size=b, max_sequence_length=s_len),
+            tokens_BR=torch.full((b, n), self.pad_id, dtype=torch.long),
+            logp_BR=torch.zeros(b, n), finished=torch.zeros(b, dtype=torch.bool),
+            lengths=torch.zeros(b, dtype=torch.long), batch=torch.arange(b),
+            stop=torch.tensor(list(params.stop_token_ids), dtype=torch.long))
 
-        icx = StaticInferenceContext(max_batch_size=b, max_sequence_length=s_len)
+    @contextlib.contextmanager
+    def _generation_mode(self):
+        """The model in eval mode for generation: decoding feeds one token per row, which
+        sequence parallelism cannot split, so non-MoE layers run without it (as megatron's own
+        generation controller does); context parallelism is off likewise (every CP rank decodes
+        whole rows); expert weights stacked once; routes recorded when asked. Yields the
+        recording (or None)."""
         was_training = self.gpt.training
         self.gpt.eval()
-        # Decoding feeds one token per row, which sequence parallelism cannot split: as megatron's
-        # own generation controller does, non-MoE layers run without it while generating. Context
-        # parallelism is off likewise: every CP rank decodes the whole rows.
         sp = self.ctx.sequence_parallel
         if sp:
             set_model_to_sequence_parallel(self.gpt, False, exclude_modules=[BaseMoELayer])
         recording = self.replay.record() if self.replay is not None else contextlib.nullcontext()
-        tokens_BR = torch.full((b, params.max_new_tokens), self.pad_id, dtype=torch.long)
-        logp_BR = torch.zeros(b, params.max_new_tokens)
-        finished = torch.zeros(b, dtype=torch.bool)
-        lengths = torch.zeros(b, dtype=torch.long)  # response tokens per row
-        stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long)
-        batch = torch.arange(b)  # the rows in the decoding batch, in its order
-        fed = []  # the rows of each decoding forward
         try:
             with recording as recorded, context_parallel_disabled(self.gpt), \
                     cached_expert_weights(self.gpt):
-                causal = torch.ones(p_len, p_len, dtype=torch.bool).tril()
-                attend = causal[None] & valid_BS[::samples_per_prompt, None, :p_len]
-                logits = self._forward(tokens_UP, torch.arange(p_len).expand(n_prompts, p_len),
-                                       (~attend)[:, None], icx, recorded)
-                icx.sequence_len_offset += p_len
-                logits = self._to_rows(icx, logits, of_row, samples_per_prompt)
-                for step in range(params.max_new_tokens):
-                    token, logp = self._sample(logits, params, seeds_B, batch, step)
-                    live = ~finished[batch]
-                    token = torch.where(live, token, self.pad_id)
-                    tokens_BR[batch, step] = token
-                    logp_BR[batch, step] = torch.where(live, logp, 0.0)
-                    lengths[batch] += live.long()
-                    if len(stop):
-                        finished[batch] |= torch.isin(token, stop)
-                    decoding = self._still_decoding(int((~finished[batch]).sum()))
-                    if decoding == 0 or step == params.max_new_tokens - 1:
-                        break
-                    if decoding <= 3 * len(batch) // 4:
-                        keep = self._compact(icx, batch, finished, decoding)
-                        batch, token = batch[keep], token[keep]
-                    offset = icx.sequence_len_offset
-                    icx.enable_decode_mode()
-                    mask = ~valid_BS[batch][:, None, None, :offset + 1]
-                    logits = self._forward(token[:, None], torch.full((len(batch), 1), offset),
-                                           mask, icx, recorded)
-                    fed.append(batch)
-                    icx.sequence_len_offset += 1
-                    valid_BS[:, offset] = True
+                yield recorded
         finally:
             if sp:
                 set_model_to_sequence_parallel(self.gpt, True, exclude_modules=[BaseMoELayer])
             if was_training:
                 self.gpt.train()
-        self.decode_rows = [len(f) for f in fed]  # rows fed per decoding forward (for tests)
-        routes = (self._routes(recorded.forwards, of_row, p_len) if self.replay is not None
-                  else None)
-        if routes is not None and self.ctx.pp > 1:  # every stage holds its own layers' routes
-            stages = [None] * self.ctx.pp
-            dist.all_gather_object(stages, routes, group=self.ctx.pp_group)
-            routes = [torch.cat([stage[i] for stage in stages], dim=-2) for i in range(len(routes))]
+
+    def _prefill(self, g: "_Generation", recorded) -> None:
+        """Each prompt once, causal with the left padding hidden; its KV cache and last logits
+        then go to the rows of its samples."""
+        n_prompts, p_len = g.tokens_UP.shape
+        causal = torch.ones(p_len, p_len, dtype=torch.bool).tril()
+        attend = causal[None] & g.valid_BS[::g.samples_per_prompt, None, :p_len]
+        logits = self._forward(g.tokens_UP, torch.arange(p_len).expand(n_prompts, p_len),
+                               (~attend)[:, None], g.icx, recorded)
+        g.icx.sequence_len_offset += p_len
+        g.logits = self._to_rows(g.icx, logits, g.of_row, g.samples_per_prompt)
+
+    def _decode(self, g: "_Generation", params: SamplingParams, recorded) -> None:
+        """Sample a token for every row still in the batch, then feed them back, until every row
+        (of the lockstep group) has finished or the length limit; finished rows leave the batch
+        (and its KV cache) when the rows still decoding fall to 3/4 of it."""
+        for step in range(params.max_new_tokens):
+            token, logp = self._sample(g.logits, params, g.seeds_B, g.batch, step)
+            live = ~g.finished[g.batch]
+            token = torch.where(live, token, self.pad_id)
+            g.tokens_BR[g.batch, step] = token
+            g.logp_BR[g.batch, step] = torch.where(live, logp, 0.0)
+            g.lengths[g.batch] += live.long()
+            if len(g.stop):
+                g.finished[g.batch] |= torch.isin(token, g.stop)
+            decoding = self._still_decoding(int((~g.finished[g.batch]).sum()))
+            if decoding == 0 or step == params.max_new_tokens - 1:
+                return
+            if decoding <= 3 * len(g.batch) // 4:
+                keep = self._compact(g.icx, g.batch, g.finished, decoding)
+                g.batch, token = g.batch[keep], token[keep]
+            offset = g.icx.sequence_len_offset
+            g.icx.enable_decode_mode()
+            mask = ~g.valid_BS[g.batch][:, None, None, :offset + 1]
+            g.logits = self._forward(token[:, None], torch.full((len(g.batch), 1), offset), mask,
+                                     g.icx, recorded)
+            g.fed.append(g.batch)
+            g.icx.sequence_len_offset += 1
+            g.valid_BS[:, offset] = True
+
+    def _samples(self, g: "_Generation", params: SamplingParams, routes) -> list[Sample]:
+        """Each row's response (through its stop token), log-probs, finish reason and routes (the
+        prompt's positions, then every response token fed back)."""
         position = []  # each decoding forward: row -> its place in that forward's batch
-        for rows_fed in fed:
-            where = torch.full((b,), -1, dtype=torch.long)
+        for rows_fed in g.fed:
+            where = torch.full((len(g.rows),), -1, dtype=torch.long)
             where[rows_fed] = torch.arange(len(rows_fed))
             position.append(where.tolist())
-        stop_ids = set(stop.tolist())
+        stop_ids = set(g.stop.tolist())
         samples = []
-        for r, (i, prompt) in enumerate(rows):
-            n = int(lengths[r])
-            response = tokens_BR[r, :n].tolist()
+        for r, (i, prompt) in enumerate(g.rows):
+            n = int(g.lengths[r])
+            response = g.tokens_BR[r, :n].tolist()
             reason = "stop" if n and response[-1] in stop_ids else "length"
             sample_routes = None
-            if routes is not None:  # prompt positions, then every response token fed back
-                prompt_part = routes[0][r, p_len - len(prompt):]
+            if routes is not None:
+                prompt_part = routes[0][r, g.p_len - len(prompt):]
                 fed_back = [routes[1 + t][position[t][r]] for t in range(max(0, n - 1))]
                 sample_routes = torch.cat([prompt_part, *[f[None] for f in fed_back]])
             samples.append(Sample(prompt_ids=prompt, response_ids=response,
-                                  logprobs_R=logp_BR[r, :n].clone(), finish_reason=reason,
+                                  logprobs_R=g.logp_BR[r, :n].clone(), finish_reason=reason,
                                   routes_TLK=sample_routes, prompt_index=i))
         return samples
 
@@ -338,17 +305,44 @@ class LocalEngine:
         _cache_rows(icx, of_row)
         return None if logits is None else logits.index_select(0, of_row.to(logits.device))
 
-    @staticmethod
-    def _routes(forwards: list, of_row: torch.Tensor, p_len: int) -> list:
+    def _routes(self, forwards: list, g: "_Generation") -> list:
         """Recorded routes per forward as [B, positions, L, K]: the prefill (Megatron's [s, b]
         order, one per prompt: each row gets its prompt's) and one position per decoding
-        step."""
+        step; with pipeline stages, every stage's layers (each stage holds its own)."""
         out = []
         for i, per_layer in enumerate(forwards):
             stacked = torch.stack(per_layer, 1)  # [N, L, K]
             if i == 0:
-                per_prompt = stacked.reshape(p_len, -1, *stacked.shape[1:]).transpose(0, 1)
-                out.append(per_prompt[of_row])
+                per_prompt = stacked.reshape(g.p_len, -1, *stacked.shape[1:]).transpose(0, 1)
+                out.append(per_prompt[g.of_row])
             else:  # the rows of that forward's (possibly compacted) batch
                 out.append(stacked)
+        if self.ctx.pp > 1:
+            stages = [None] * self.ctx.pp
+            dist.all_gather_object(stages, out, group=self.ctx.pp_group)
+            out = [torch.cat([stage[i] for stage in stages], dim=-2) for i in range(len(out))]
         return out
+
+
+@dataclass
+class _Generation:
+    """One ``generate`` call's state: the rows (prompt index, prompt ids), the padded prompts
+    ``[prompts, P]``, which positions each row attends to, its seed, the static KV cache, what
+    was sampled so far, and the decoding batch (the rows still in it, in its order)."""
+
+    rows: list
+    samples_per_prompt: int
+    p_len: int
+    tokens_UP: torch.Tensor
+    valid_BS: torch.Tensor
+    of_row: torch.Tensor  # each row's prompt
+    seeds_B: Optional[torch.Tensor]
+    icx: StaticInferenceContext
+    tokens_BR: torch.Tensor
+    logp_BR: torch.Tensor
+    finished: torch.Tensor
+    lengths: torch.Tensor  # response tokens per row
+    batch: torch.Tensor  # the rows in the decoding batch, in its order
+    stop: torch.Tensor
+    logits: Optional[torch.Tensor] = None  # the last forward's (last stage)
+    fed: list = field(default_factory=list)  # the rows of each decoding forward

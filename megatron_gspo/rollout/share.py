@@ -15,8 +15,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_gspo import comm
+from megatron_gspo.distributed import comm
 from megatron_gspo.rollout.types import Sample
+
 
 _REASONS = ("stop", "length")
 

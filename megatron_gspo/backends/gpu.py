@@ -1,0 +1,28 @@
+"""The GPU backend: megatron-core as it is, the generic local layers (Transformer Engine's when it
+imports: ``models.te``), the all-to-all dispatcher, checkpoints each rank writes on its own."""
+
+from __future__ import annotations
+
+from megatron.core import tensor_parallel
+
+from megatron_gspo.backends.backend import Backend
+from megatron_gspo.models import te
+from megatron_gspo.models.grouped_experts import GroupedSequentialMLP
+from megatron_gspo.models.layers import RMSNorm, SDPAttention
+
+
+def _seed(seed: int, *, tp_rank: int, ep_rank: int, etp_rank: int) -> None:
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)  # reads the ranks itself
+
+
+def _layers() -> str:
+    if te.use_te_spec("cuda"):
+        return "Transformer Engine layers"
+    return "megatron-core local layers (no Transformer Engine), torch optimizer"
+
+
+# GPU kernels decode and run the full forward with other roundings (at times by more than GSPO's
+# clip range): the behaviour log-probs are recomputed by the trainer's pass.
+GPU = Backend(name="gpu", norm=RMSNorm, attention=SDPAttention, experts=GroupedSequentialMLP,
+              token_dispatcher="alltoall", init_on_cpu=False, activate=lambda: [], seed=_seed,
+              checkpoint_format="dp_reshardable", exact_engine=False, layers=_layers)

@@ -1,0 +1,114 @@
+"""SGLang's weight-update group, and what a weight sync sent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from megatron_gspo.rollout.sglang.client import SGLangError
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """One weight sync: what was sent and how long it took."""
+
+    mode: str
+    tensors: int  # HF tensors
+    # Bytes the trainer sent: the HF tensors for disk, distributed (one broadcast reaches every
+    # server rank) and tensor with hf payloads (one payload repeated per TP rank); for tensor with
+    # direct payloads, the shards of all TP ranks of one server.
+    bytes: int
+    buckets: int
+    seconds: float
+
+    def describe(self) -> str:
+        return (f"weight sync ({self.mode}): {self.tensors} tensors, {self.bytes / 2**20:.1f} MiB "
+                f"in {self.buckets} buckets, {self.seconds:.2f} s")
+
+
+def count_sent(sent: list, bucket: Sequence[tuple], nbytes: Optional[int]) -> None:
+    """Add a bucket to ``sent`` (tensors, bytes, buckets): ``nbytes`` sent for it, or (None)
+    the bytes of its HF tensors."""
+    sent[0] += len(bucket)
+    sent[1] += sum(t.numel() * t.element_size() for _, t in bucket) if nbytes is None else nbytes
+    sent[2] += 1
+
+
+def init_weights_update_group(engine, *, master_address: str, master_port: int,
+                              engine_gpus: Sequence[int], group_name: str = "weight_update_group",
+                              backend: str = "nccl", timeout_s: float = 600.0):
+    """The trainer's side of SGLang's weight-update group: rank 0 is the trainer, server i joins
+    at rank 1 + sum of the GPUs of servers before it. The trainer group is built the way SGLang
+    builds its side (TCP store under a PrefixStore named ``group_name``); a plain
+    ``init_process_group`` uses other store keys and hangs."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
+
+    world = 1 + sum(engine_gpus)
+    errors = []
+
+    def join(client, offset):
+        try:
+            client.post("/init_weights_update_group",
+                        {"master_address": master_address, "master_port": master_port,
+                         "rank_offset": offset, "world_size": world, "group_name": group_name,
+                         "backend": backend})
+        except Exception as e:
+            errors.append(e)
+
+    for client in engine.clients:  # a group left by an earlier run under this name refuses joins
+        try:
+            client.post("/destroy_weights_update_group", {"group_name": group_name})
+        except SGLangError:
+            pass  # none there
+    offsets = [1 + sum(engine_gpus[:i]) for i in range(len(engine_gpus))]
+    threads = [threading.Thread(target=join, args=(c, o)) for c, o in zip(engine.clients, offsets)]
+    for t in threads:
+        t.start()
+    built = {}
+
+    def build():
+        try:
+            store = dist.TCPStore(master_address, master_port, world, is_master=True,
+                                  timeout=timedelta(seconds=timeout_s))
+            prefix = dist.PrefixStore(group_name, store)
+            built["group"], _ = _new_process_group_helper(
+                world, 0, [], backend, prefix, group_name=group_name,
+                timeout=timedelta(seconds=timeout_s))
+        except Exception as e:
+            built["error"] = e
+
+    # The rendezvous waits for every server; a server that refuses to join ends the wait.
+    builder = threading.Thread(target=build, daemon=True)
+    builder.start()
+    while builder.is_alive():
+        if errors:
+            raise SGLangError(f"weight-update group {group_name!r}: a server did not join: "
+                              f"{errors[0]}")
+        builder.join(0.1)
+    for t in threads:
+        t.join()
+    if errors or "error" in built:
+        raise errors[0] if errors else built["error"]
+    group = built["group"]
+    # The group is outside the trainer's world: its ranks are its own (as SGLang registers them),
+    # which collectives need to translate group ranks.
+    _world.pg_group_ranks[group] = {i: i for i in range(world)}
+    return group
+
+
+def destroy_weights_update_group(engine, group,
+                                 group_name: str = "weight_update_group") -> None:
+    """Leave the weight-update group on both sides (the servers refuse a new group under a name
+    they hold, and so does this process): at the end of a run, best effort."""
+    import torch.distributed as dist
+
+    for client in engine.clients:
+        try:
+            client.post("/destroy_weights_update_group", {"group_name": group_name})
+        except SGLangError:
+            pass  # a server that is gone holds no group
+    dist.destroy_process_group(group)

@@ -1,0 +1,1 @@
+"""The RL trainer: ``train(job)`` (``trainer.loop``) runs or resumes a job."""

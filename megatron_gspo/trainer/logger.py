@@ -1,0 +1,103 @@
+"""Run logging on rank 0: TensorBoard scalars, ``metrics.jsonl`` (one row per step) and a console
+progress bar with ETA. The tags and what they mean: ``trainer.metric_tags`` (and
+docs/reference/metrics.md, generated from it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Optional
+
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _fmt_time(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+class RunLogger:
+    """All ranks construct it; only ``enabled`` (rank 0) writes."""
+
+    def __init__(self, run_dir: str, *, enabled: bool, tensorboard: bool = True,
+                 progress: bool = True, total_steps: int = 0):
+        self.enabled, self.progress, self.total = enabled, progress, total_steps
+        self.path = os.path.join(run_dir, METRICS_FILE)
+        self.writer = None
+        self._t0: Optional[float] = None
+        self._first_step = 0
+        self.tty = sys.stdout.isatty()
+        if enabled:
+            os.makedirs(run_dir, exist_ok=True)
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tb"))
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows of steps after ``step`` (written by a run that was killed after its last
+        checkpoint) and final rows of an earlier end, so that a resumed run's log is the
+        uninterrupted run's."""
+        if not self.enabled or not os.path.isfile(self.path):
+            return
+        with open(self.path) as f:
+            rows = [line for line in f if line.strip()]
+        kept = []
+        for line in rows:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a row cut by the kill
+            if row.get("step", 0) <= step and not row.get("final"):
+                kept.append(line if line.endswith("\n") else line + "\n")
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+
+    def log(self, step: int, scalars: dict, extra: Optional[dict] = None) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: v if isinstance(v, list) else float(v)
+                                for k, v in scalars.items()}, **(extra or {})}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.writer is not None:
+            for k, v in scalars.items():
+                if not isinstance(v, list) and math.isfinite(float(v)):
+                    self.writer.add_scalar(k, float(v), step)
+            self.writer.flush()
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        if self.enabled and self.writer is not None:
+            self.writer.add_scalar(tag, float(value), step)
+
+    def bar(self, step: int, summary: str) -> None:
+        """One progress line: step, a bar, the key numbers, elapsed time and ETA."""
+        if not (self.enabled and self.progress):
+            return
+        now = time.perf_counter()
+        if self._t0 is None:
+            self._t0, self._first_step = now, step - 1
+        done = step - self._first_step
+        rate = (now - self._t0) / max(done, 1)
+        eta = rate * (self.total - step)
+        frac = step / max(self.total, 1)
+        filled = int(20 * frac)
+        line = (f"[{'#' * filled}{'.' * (20 - filled)}] {step}/{self.total} {summary} "
+                f"| {_fmt_time(now - self._t0)} elapsed, ETA {_fmt_time(eta)}")
+        print(line, flush=True)
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

@@ -12,7 +12,7 @@
 #   it is kept, not reinstalled; the build fails if the base image's TE is outside TE_VERSION's
 #   major.minor.
 # - apex at a commit that builds on CUDA 13 (the compute_70 flags of earlier commits do not).
-# - SGLang 0.5.15.post1: the version the client (rollout/sglang_engine.py) targets; it has every
+# - SGLang 0.5.15.post1: the version the client (rollout/sglang/facade.py) targets; it has every
 #   endpoint and field the client uses, return_routed_experts included (0.5.6 has none of the
 #   routed-experts support; 0.5.21+ require /begin_weight_update before weight updates).
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3

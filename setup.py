@@ -14,7 +14,7 @@ setup(
     # checkout's conf/ otherwise: megatron_gspo.config.conf_dir), so that an installed
     # `megatron-gspo` finds them from any directory.
     package_dir={"megatron_gspo.conf": "conf"},
-    # C++ sources that megatron_gspo/cpu_kernels.py builds at first use
+    # C++ sources that megatron_gspo/backends/cpu/kernels.py builds at first use
     package_data={"megatron_gspo.backends.cpu": ["csrc/*.cpp"],
                   "megatron_gspo.conf": ["*.yaml", "*/*.yaml"]},
     install_requires=[
@@ -33,7 +33,7 @@ setup(
         # neither is a declared megatron-core dependency.
         "psutil>=5.9",
         "hydra-submitit-launcher>=1.2",  # cluster=slurm sweeps (submitit only talks to sbatch)
-        "ninja>=1.11",  # builds the CPU kernels (megatron_gspo/cpu_kernels.py) at first use
+        "ninja>=1.11",  # builds the CPU kernels (megatron_gspo/backends/cpu/kernels.py) at first use
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]>=2.4"],

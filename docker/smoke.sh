@@ -46,18 +46,19 @@ check "sglang" "$SGLANG_PY" -c "
 import sglang
 from importlib.metadata import version
 import re, sys
-client = re.search(r'SGLANG_VERSION = \"([^\"]+)\"', open('megatron_gspo/rollout/sglang_engine.py').read()).group(1)
+client = re.search(r'SGLANG_VERSION = \"([^\"]+)\"', open('megatron_gspo/rollout/sglang/facade.py').read()).group(1)
 assert version('sglang') == client, f'sglang {version(\"sglang\")} in $SGLANG_PY, the client targets {client}'
 print('sglang', version('sglang'))"
 
 check "te forward+backward" "$PY" - <<'PYEOF'
 import torch
-from megatron_gspo import te
+from megatron_gspo.algorithms.logprobs import token_logprobs
+from megatron_gspo.batch.micro_batch import MicroBatch
 from megatron_gspo.config import ModelConfig, ParallelConfig
-from megatron_gspo.forward import MicroBatch, forward_backward
-from megatron_gspo.logprobs import token_logprobs
-from megatron_gspo.model import build_model
-from megatron_gspo.parallel import destroy_parallel, init_parallel
+from megatron_gspo.distributed.parallel import destroy_parallel, init_parallel
+from megatron_gspo.models import te
+from megatron_gspo.models.forward import forward_backward
+from megatron_gspo.models.model import build_model
 
 assert te.use_te_spec("cuda"), "Transformer Engine does not import: no TE layer spec"
 m = ModelConfig(params_dtype="bfloat16")

@@ -24,9 +24,15 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import torch  # noqa: E402
 
 from gpu_check import MODEL_1B, param_counts  # noqa: E402
-from megatron_gspo.trainer import loop as trainer
-from megatron_gspo.config import ModelConfig
-from megatron_gspo.config.load import job_from_dict
+from megatron_gspo.config import ModelConfig  # noqa: E402
+from megatron_gspo.config.load import job_from_dict  # noqa: E402
+from megatron_gspo.trainer.batching import make_batch  # noqa: E402
+from megatron_gspo.trainer.behaviour import behaviour_logprobs, step_plan  # noqa: E402
+from megatron_gspo.trainer.generation import sample_batch  # noqa: E402
+from megatron_gspo.trainer.run import Timers  # noqa: E402
+from megatron_gspo.trainer.setup import build_rl_optimizer, setup  # noqa: E402
+from megatron_gspo.trainer.updates import update  # noqa: E402
+from megatron_gspo.trainer.warmup import init_weights  # noqa: E402
 
 
 def main() -> None:
@@ -55,15 +61,15 @@ def main() -> None:
                     "lr": 1e-6, "save_interval": 0},
         "logging": {"drift": False, "tensorboard": False, "progress": False},
         "run_dir": tempfile.mkdtemp(prefix="rl_step_1b_"), "seed": 1})
-    run = trainer.setup(job)
-    trainer.init_weights(run, "")
-    trainer.build_rl_optimizer(run)
+    run = setup(job)
+    init_weights(run.policy.gpt, job, run.ctx, "")
+    build_rl_optimizer(job, run.policy, run.ctx)
     total, active = param_counts(m)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"device {name}; {total / 1e9:.2f} B parameters, "
           f"{active / 1e9:.2f} B active; {args.prompts} prompts x {args.group} responses of up "
           f"to {args.response} tokens; {m.params_dtype}")
-    timers = trainer.Timers()
+    timers = Timers()
 
     def timed(name, fn, *a):
         sync()
@@ -72,11 +78,12 @@ def main() -> None:
             sync()
         return out
 
-    records, samples = timed("rollout", trainer.rollout, run, 1)
-    rewards, _ = timed("reward", trainer.score, run, records, samples)
-    batch, _ = trainer.make_batch(run, samples, rewards)
-    routes = timed("old_logprobs", trainer.old_logprobs, run, batch)
-    results, _ = timed("update", trainer.update, run, batch, routes)
+    sync()
+    samples, rewards, _ = sample_batch(run, 1, timers)  # the rollout and reward phases
+    batch, _ = make_batch(job, run.ctx, samples, rewards, pad_id=run.prompts.tokenizer.pad_id)
+    plan = step_plan(run, batch)
+    routes = timed("old_logprobs", behaviour_logprobs, run, batch, plan)
+    results, _ = timed("update", update, run, batch, plan, routes)
     fed = int(batch.lengths_B.sum())
     width = batch.width
     attn = 6 * m.num_layers * m.num_attention_heads * m.head_dim * width * fed // 2  # causal

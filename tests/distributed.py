@@ -28,7 +28,7 @@ def _free_port() -> int:
 # Ranks start from a fork server that has imported these once (torch and megatron-core take
 # about 8 s to import on a 2-core machine, per process): each rank is still a fresh process,
 # forked before any thread pool, process group or model exists.
-PRELOAD = ["megatron_gspo.trainer", "megatron_gspo.hf_qwen3moe", "tests.trainer_workers"]
+PRELOAD = ["megatron_gspo.trainer.loop", "megatron_gspo.models.hf_mapping", "tests.trainer_workers"]
 
 
 def _context():

@@ -249,12 +249,12 @@ def rope_cache_job():
     from megatron.core.transformer import attention
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_gspo.models import layers
+    from megatron_gspo.models import rope
 
     dist.init_process_group("gloo", init_method="env://")
     cp = dist.new_group([0])
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
-    layers.cache_rope_tables()
+    rope.cache_rope_tables()
     ours, theirs = attention.apply_rotary_pos_emb, rope_utils.apply_rotary_pos_emb
     g = torch.Generator().manual_seed(5)
     inv = 1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))

@@ -152,7 +152,7 @@ def from_ranks(ranks: list, like: dict, cfg, tp: int, ep: int = 1) -> dict:
 
 
 def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts, host="127.0.0.1", port=0,
-           startup_delay_s=0.0, stats_file=None):
+           startup_delay_s=0.0, stats_file=None, refused_probes=0):
     import warnings
 
     import torch
@@ -370,10 +370,15 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts, host="12
             return mode is not None
 
         def _loading(self):
-            """Like a server still loading its checkpoint: 503 to everything but /model_info."""
-            if time.monotonic() - started >= startup_delay_s or self.path == "/model_info":
+            """Like a server still loading its checkpoint: 503 to everything but /model_info,
+            for ``startup_delay_s`` from its start and its first ``refused_probes`` probes."""
+            if self.path == "/model_info":
                 return False
             with counters:
+                loading = (time.monotonic() - started < startup_delay_s
+                           or state["refused_loading"] < refused_probes)
+                if not loading:
+                    return False
                 state["refused_loading"] += 1
             self._reply(503, {"error": {"message": "the server is starting"}})
             return True
@@ -522,8 +527,9 @@ def main(argv=None) -> None:
     """``python -m tests.sglang_standin`` with ``sglang.launch_server``'s flags (the ones
     launch/sglang_server.sh passes), so that the launch scripts start it as they start SGLang;
     and the stand-in's own: ``--latency-s`` per /generate, ``--startup-delay-s`` before it
-    generates, ``--deterministic``, ``--stats-dir`` (a JSON file of its counters per server,
-    written after every /generate)."""
+    generates, ``--refused-probes`` (answered 503 however late they come: a client that did
+    not wait fails), ``--deterministic``, ``--stats-dir`` (a JSON file of its counters per
+    server, written after every /generate)."""
     import argparse
 
     ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
@@ -538,10 +544,12 @@ def main(argv=None) -> None:
     ap.add_argument("--startup-delay-s", type=float, default=0.0)
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--stats-dir", default=None)
+    ap.add_argument("--refused-probes", type=int, default=0)
     a = ap.parse_args(argv)
     stats = (os.path.join(a.stats_dir, f"{a.host}_{a.port}.json") if a.stats_dir else None)
     _serve(a.model_path, None, a.tp_size, a.deterministic, a.latency_s, (), host=a.host,
-           port=a.port, startup_delay_s=a.startup_delay_s, stats_file=stats)
+           port=a.port, startup_delay_s=a.startup_delay_s, stats_file=stats,
+           refused_probes=a.refused_probes)
 
 
 def start(hf_dir: str, *, tp: int = 1, deterministic: bool = False, latency_s: float = 0.0,

@@ -2,7 +2,7 @@
 
 On GPU every process group is NCCL, which rejects host tensors; a collective guarded by "the group
 has more than one rank" hides such a bug from every one-GPU run. Two rules, checked on the source
-of ``megatron_gspo/`` and ``moe/`` (``megatron_gspo/comm.py`` builds its tensors on the run's
+of ``megatron_gspo/`` and ``moe/`` (``megatron_gspo/distributed/comm.py`` builds its tensors on the run's
 device and is the place for small reductions):
 
 1. no torch.distributed collective (or its autograd form, torch.distributed.nn) receives a
@@ -19,7 +19,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCANNED = ("megatron_gspo", "moe")
-EXEMPT = {"megatron_gspo/comm.py"}
+EXEMPT = {"megatron_gspo/distributed/comm.py"}
 COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce",
                "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "send", "recv",
                "isend", "irecv", "all_to_all", "all_to_all_single"}
@@ -107,7 +107,7 @@ def violations(source: str, where: str = "<source>") -> list:
                 for a in args:
                     if _host_tensor(a) or (isinstance(a, ast.Name) and a.id in host):
                         out.append(f"{where}:{node.lineno}: {node.func.attr} on a host tensor "
-                                   f"built here; build it on the run's device (megatron_gspo.comm)")
+                                   f"built here; build it on the run's device (megatron_gspo.distributed.comm)")
             if isinstance(node, ast.If) and _size_check(node.test):
                 inner = [c for part in node.body + node.orelse for c in ast.walk(part)
                          if isinstance(c, ast.Call) and _is_collective(c, aliases)]
@@ -134,7 +134,7 @@ def test_package_collectives_are_device_true_and_never_skipped():
         calls[rel] = sum(1 for n in ast.walk(tree)
                          if isinstance(n, ast.Call) and _is_collective(n, aliases))
     assert sum(calls.values()) >= 5, f"the scan saw only {calls} collectives"  # it looks at them
-    assert calls["megatron_gspo/layers.py"] >= 1  # context parallelism's autograd all-gather
+    assert calls["megatron_gspo/models/layers.py"] >= 1  # context parallelism's autograd all-gather
     found = [v for rel, text in files.items() for v in violations(text, rel)]
     assert not found, "\n".join(found)
 

@@ -82,7 +82,7 @@ def test_kernel_errors_raise_and_name_the_kernel():
 
 SCRIPT = """
 import json, torch
-from megatron_gspo import cpu_kernels, intra_op
+from megatron_gspo.backends.cpu import kernels as cpu_kernels, threads as intra_op
 from tests.test_cpu_kernels import _experts, _run
 pinned = intra_op.pin_to_this_thread()
 x, probs, bounds, n, w, grad = _experts()
@@ -107,11 +107,11 @@ def test_kernel_keeps_the_calling_threads_openmp_count():
 
 def test_a_failed_build_logs_one_line_and_returns_none(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level(logging.WARNING, logger="megatron_gspo.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="megatron_gspo.backends.cpu.kernels"):
         mod = cpu_kernels.build("megatron_gspo_test_no_compiler", "experts_swiglu.cpp",
                                 str(tmp_path / "build"))
     assert mod is None
-    [record] = [r for r in caplog.records if r.name == "megatron_gspo.cpu_kernels"]
+    [record] = [r for r in caplog.records if r.name == "megatron_gspo.backends.cpu.kernels"]
     message = record.getMessage()
     assert "\n" not in message
     assert "megatron_gspo_test_no_compiler" in message and "using the PyTorch path" in message

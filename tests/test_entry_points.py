@@ -125,7 +125,7 @@ import atexit, json
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron_gspo.config import ModelConfig, ParallelConfig
-from megatron_gspo.parallel import destroy_parallel, init_parallel
+from megatron_gspo.distributed.parallel import destroy_parallel, init_parallel
 init_parallel(ParallelConfig(), ModelConfig(vocab_size=128))
 destroy_parallel()
 init_parallel(ParallelConfig(), ModelConfig(vocab_size=128))  # the world made again

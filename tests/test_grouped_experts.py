@@ -1,4 +1,4 @@
-"""Grouped-GEMM experts (megatron_gspo/grouped_experts.py) against Megatron's SequentialMLP: the
+"""Grouped-GEMM experts (megatron_gspo/models/grouped_experts.py) against Megatron's SequentialMLP: the
 same outputs, input gradients (of the tokens and of their routing probabilities) and weight
 gradients (fp32, <= 1e-6 of the largest value) on 1 rank, EP=2 and expert TP=2, with an expert
 that gets no token, and with Megatron's GLU offset and clamp, through the CPU function (its C++

@@ -48,4 +48,4 @@ def test_planted_megatron_and_sglang_mismatches_are_caught(what):
         planted = re.sub(r"ARG SGLANG_VERSION=\S+", "ARG SGLANG_VERSION=0.5.6", _read("Dockerfile"))
         found = _check(dockerfile=planted)
         assert found == [f"Dockerfile: SGLANG_VERSION=0.5.6, but the client targets SGLang "
-                         f"{SGLANG_VERSION} (megatron_gspo/rollout/sglang_engine.py SGLANG_VERSION)"]
+                         f"{SGLANG_VERSION} (megatron_gspo/rollout/sglang/facade.py SGLANG_VERSION)"]

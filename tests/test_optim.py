@@ -1,5 +1,5 @@
 """The optimizer's adaptations of megatron-core without Apex / Transformer Engine
-(megatron_gspo/optim.py): the gradient norm's foreach kernel against the written-out formula,
+(megatron_gspo/trainer/optim.py): the gradient norm's foreach kernel against the written-out formula,
 alone and inside Megatron's optimizer step."""
 
 import pytest

@@ -1,5 +1,5 @@
 """Per-TP-rank shards in SGLang's parameter layout (``load_format: "direct"``): the trainer's
-converter (``megatron_gspo.rollout.sglang_layout``) against the stand-in server's description of
+converter (``megatron_gspo.rollout.sglang.layout``) against the stand-in server's description of
 where SGLang's weight loaders put each HF tensor (``tests.sglang_standin.hf_slots``)."""
 
 import pytest

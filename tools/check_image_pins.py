@@ -8,7 +8,7 @@ its pins must be right by construction):
 - megatron-core in ``docker/requirements.txt`` equal to the installed one (what the tests ran)
   and inside setup.py's requirement;
 - SGLang (``ARG SGLANG_VERSION``) equal to the version the client targets
-  (``megatron_gspo.rollout.sglang_engine.SGLANG_VERSION``).
+  (``megatron_gspo.rollout.sglang.facade.SGLANG_VERSION``).
 
 Prints one line per problem and exits 1, or prints the pins and exits 0.
 """
@@ -91,7 +91,7 @@ def problems(dockerfile: str, requirements: str, setup_text: str, *, megatron_re
     sglang = args.get("SGLANG_VERSION")
     if sglang != sglang_client:
         out.append(f"Dockerfile: SGLANG_VERSION={sglang}, but the client targets SGLang "
-                   f"{sglang_client} (megatron_gspo/rollout/sglang_engine.py SGLANG_VERSION)")
+                   f"{sglang_client} (megatron_gspo/rollout/sglang/facade.py SGLANG_VERSION)")
     return out
 
 

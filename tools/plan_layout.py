@@ -126,7 +126,7 @@ def memory_plan(job, world: int, dp: int, checkpoint_format: str) -> MemoryPlan:
     else:
         per_token = layers * sum(per_layer) / len(per_layer)
     in_flight = pp  # 1F1B: the first stage holds pp micro-batches' activations
-    # The log-prob loss keeps chunks of [C, V / tp] fp32 logits (megatron_gspo/logprobs.py).
+    # The log-prob loss keeps chunks of [C, V / tp] fp32 logits (megatron_gspo/algorithms/logprobs.py).
     logits = 4 * 4096 * m.vocab_size / tp * 2
     activations = 2 * local * per_token * in_flight + logits
 

@@ -18,7 +18,7 @@ from megatron_gspo.config.job import JobConfig
 from megatron_gspo.config.model import ModelConfig
 from megatron_gspo.data.tokenizer import CharTokenizer
 from megatron_gspo.models.hf_config import HFCheckpointError, model_config_from_hf
-from megatron_gspo.rewards import REWARDS
+from megatron_gspo.rewards import REWARDS, get_reward
 
 
 FROM_CHECKPOINT = "from_checkpoint"
@@ -65,9 +65,16 @@ def check_options(job: JobConfig) -> None:
             "algo.dual_clip" if "dual_clip" in str(e) else "algo.clip_low")
         raise invalid(key, getattr(a, key.split(".")[1]), str(e).split(": ", 1)[-1],
                       "see DEFAULT_CLIP and the algo group's options") from None
-    if job.data.reward not in REWARDS:
+    if ":" not in job.data.reward and job.data.reward not in REWARDS:
         raise invalid("data.reward", job.data.reward, "is unknown",
-                      f"use one of {', '.join(sorted(REWARDS))}")
+                      f"use one of {', '.join(sorted(REWARDS))}, or MODULE:FUNCTION for a reward "
+                      "of your own")
+    try:
+        get_reward(job.data.reward)
+    except ValueError as e:
+        raise invalid("data.reward", job.data.reward, str(e).split(": ", 1)[-1],
+                      "name an importable module (on PYTHONPATH or in the working directory) "
+                      "and a function in it") from None
     if job.data.tokenizer == "builtin" and job.model.vocab_size < CharTokenizer().vocab_size:
         raise invalid("model.vocab_size", job.model.vocab_size, "is smaller than the built-in "
                       f"tokenizer's {CharTokenizer().vocab_size} ids", "raise model.vocab_size")

@@ -130,7 +130,7 @@ class ParallelConfig:
         if not self.timeout_s > 0:
             raise invalid("parallel.timeout_s", self.timeout_s, "must be > 0", "e.g. 10800 (3 h)")
         if self.cp > 1 and device_type == "cuda" and not have_te:
-            # The SDPA fallback (megatron_gspo/layers.py) all-gathers K and V and masks a dense
+            # The SDPA fallback (megatron_gspo/models/layers.py) all-gathers K and V and masks a dense
             # [Q, K] product over the whole packed row: quadratic in the row, no flash kernel.
             raise invalid("parallel.cp", self.cp, "context parallelism on GPUs needs Transformer "
                           "Engine's attention (without it attention would be quadratic in the "

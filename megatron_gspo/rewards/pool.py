@@ -15,6 +15,18 @@ def _call(fn, sample):
     return fn(sample)
 
 
+def as_result(value) -> RewardResult:
+    """A reward's return value as a ``RewardResult``: one as it is, or a finite number as its
+    score; anything else raises (the sample then scores 0, counted as raised)."""
+    if isinstance(value, RewardResult):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value \
+            and abs(value) != float("inf"):
+        return RewardResult(float(value))
+    raise TypeError(f"reward returned {type(value).__name__} {value!r:.40}, not a RewardResult "
+                    "or a finite number")
+
+
 class InlineScorer:
     """Scores in the calling process (cheap rewards: exact match, math): a reward that raises
     gives 0 with the reason counted, as in the pool; there is no timeout."""
@@ -26,9 +38,7 @@ class InlineScorer:
         results, failures = [], Counter()
         for sample in samples:
             try:
-                result = self.fn(sample)
-                if not isinstance(result, RewardResult):
-                    raise TypeError(f"reward returned {type(result).__name__}, not RewardResult")
+                result = as_result(self.fn(sample))
             except Exception as e:
                 result = RewardResult(0.0, {"reason": f"reward raised {type(e).__name__}: {e}"[:200]})
                 failures["raised"] += 1
@@ -72,9 +82,7 @@ class RewardPool:
         results, failures, stuck = [], Counter(), False
         for future in futures:
             try:
-                result = future.result(timeout=self.timeout_s if not stuck else 0.01)
-                if not isinstance(result, RewardResult):
-                    raise TypeError(f"reward returned {type(result).__name__}, not RewardResult")
+                result = as_result(future.result(timeout=self.timeout_s if not stuck else 0.01))
             except cf.TimeoutError:
                 stuck = True
                 result = RewardResult(0.0, {"reason": f"reward timeout after {self.timeout_s:g} s"})

@@ -1,5 +1,5 @@
 // A layer's fp32 SwiGLU experts on CPU with whole experts per OpenMP thread
-// (megatron_gspo/cpu_kernels.py builds it, megatron_gspo/grouped_experts.py calls it).
+// (megatron_gspo/backends/cpu/kernels.py builds it, backends/cpu/experts.py calls it).
 //
 // The same per-expert products and elementwise steps as grouped_experts._ExpertsSwiGLU's Python
 // loop, but each expert runs entirely on one thread (single-threaded MKL inside the parallel

@@ -25,9 +25,13 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from megatron_gspo.trainer import loop as trainer
-from megatron_gspo.config.load import job_from_dict
-from megatron_gspo.distributed.parallel import destroy_parallel
+from megatron_gspo.config.load import job_from_dict  # noqa: E402
+from megatron_gspo.distributed.parallel import destroy_parallel  # noqa: E402
+from megatron_gspo.trainer.batching import make_batch  # noqa: E402
+from megatron_gspo.trainer.behaviour import behaviour_logprobs, step_plan  # noqa: E402
+from megatron_gspo.trainer.setup import build_rl_optimizer, setup  # noqa: E402
+from megatron_gspo.trainer.updates import update  # noqa: E402
+from megatron_gspo.trainer.warmup import init_weights  # noqa: E402
 from megatron_gspo.rollout.types import Sample  # noqa: E402
 
 PROMPTS, GROUP, CAP = 16, 8, 256
@@ -59,18 +63,20 @@ def measure(packing: bool, args) -> dict:
         "data": {"eval_size": 0},
         "logging": {"drift": False, "tensorboard": False, "progress": False},
         "run_dir": tempfile.mkdtemp(prefix="bench_packing_"), "seed": 1})
-    run = trainer.setup(job)
+    run = setup(job)
     try:
-        trainer.init_weights(run, "")
-        trainer.build_rl_optimizer(run)
+        init_weights(run.policy.gpt, job, run.ctx, "")
+        build_rl_optimizer(job, run.policy, run.ctx)
         samples, rewards = long_tailed_batch(job.model.vocab_size)
         old, upd = [], []
         for i in range(args.repeats + 1):
-            batch, _ = trainer.make_batch(run, samples, rewards)
+            batch, _ = make_batch(job, run.ctx, samples, rewards,
+                                  pad_id=run.prompts.tokenizer.pad_id)
+            plan = step_plan(run, batch)
             t0 = time.perf_counter()
-            routes = trainer.old_logprobs(run, batch)
+            routes = behaviour_logprobs(run, batch, plan)
             t1 = time.perf_counter()
-            trainer.update(run, batch, routes)
+            update(run, batch, plan, routes)
             t2 = time.perf_counter()
             if i:  # the first is a warm-up
                 old.append(t1 - t0)
@@ -84,7 +90,7 @@ def measure(packing: bool, args) -> dict:
                 "computed": computed, "micro": micro}
     finally:
         run.signals.uninstall()
-        run.scorer.close()
+        run.prompts.scorer.close()
         run.logger.close()
         destroy_parallel(keep_process_group=True)
 

@@ -19,7 +19,7 @@
 #                         servers serve it (rollout.sglang_model_path)
 #   --sglang MODE         none (default: the trainer's in-process engine) | separate (SGLang
 #                         servers on their own nodes, one server per node). colocated (servers
-#                         sharing the trainer's GPUs) is not supported: see README
+#                         sharing the trainer's GPUs) is not supported: docs/guides/cluster.md
 #   --sglang-nodes K      nodes for the SGLang servers with --sglang separate (the last K nodes)
 #   --sglang-tp T         tensor parallel size of each server (default: GPUs per node)
 #   --sglang-ep E         expert parallel size of each server (default 1; divides T)
@@ -31,7 +31,7 @@
 #   --dry-run             print the plan, the sbatch command and every command the job would run
 set -euo pipefail
 
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)"
 NODES=1 GPUS=8 CPUS="" PARTITION="" ACCOUNT="" TIME="04:00:00" SIGNAL_S=900 GPU_MEMORY_GB=80
 IMAGE="" MOUNTS="" SGLANG="none" SGLANG_NODES=0 SGLANG_TP="" SGLANG_EP=1 MODEL_PATH="" RUN_DIR="" DRY_RUN=""
 SMOKE=""

@@ -12,15 +12,21 @@ ENGINE_MODEL = dict(vocab_size=128, hidden_size=64, num_layers=4, num_attention_
 
 
 def _setup(parallel_kwargs, **model_overrides):
-    from megatron_gspo.config import ModelConfig, ParallelConfig
-    from megatron_gspo.models.model import build_model
+    import dataclasses
+
+    from megatron_gspo.config import BackendConfig, ModelConfig, ParallelConfig
     from megatron_gspo.distributed.parallel import init_parallel
+    from megatron_gspo.models.model import build_model
     from megatron_gspo.rollout.local_engine import LocalEngine
     from moe.replay import RoutingReplay
 
-    cfg = ModelConfig(**{**ENGINE_MODEL, **model_overrides})
+    # the backend's switches (cpu_experts_kernel, grouped_experts) go to build_model
+    backend = {f.name for f in dataclasses.fields(BackendConfig)}
+    kernels = BackendConfig(**{k: v for k, v in model_overrides.items() if k in backend})
+    cfg = ModelConfig(**{**ENGINE_MODEL, **{k: v for k, v in model_overrides.items()
+                                            if k not in backend}})
     ctx = init_parallel(ParallelConfig(**parallel_kwargs), cfg, seed=11)
-    gpt = build_model(cfg, ctx, moe_enable_routing_replay=True)
+    gpt = build_model(cfg, ctx, kernels=kernels, moe_enable_routing_replay=True)
     replay = RoutingReplay(gpt)
     return cfg, ctx, gpt, replay, LocalEngine(gpt, ctx, replay=replay)
 

@@ -24,10 +24,10 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
 
     import torch
 
+    from megatron_gspo.backends import backend_for
     from megatron_gspo.config import ModelConfig, ParallelConfig
-    from megatron_gspo.models.grouped_experts import GroupedSequentialMLP
-    from megatron_gspo.models.model import build_model
     from megatron_gspo.distributed.parallel import init_parallel
+    from megatron_gspo.models.model import build_model
 
     cfg = ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_attention_heads=4,
                       num_query_groups=2, head_dim=16, ffn_hidden_size=128,
@@ -44,12 +44,13 @@ def experts_equal_job(ep: int = 1, tp: int = 1, seed: int = 0, dtype: str = "flo
     diffs = {"out": [], "dx": [], "dprobs": [], "dw": []}
     if ddp:
         diffs["accum"] = []
-    paths = set()  # the forwards GroupedSequentialMLP took
+    Grouped = backend_for(ctx.device).experts  # the device's grouped experts (CPUGroupedExperts)
+    paths = set()  # the forwards the grouped experts took
     g = torch.Generator().manual_seed(seed + 10 * ctx.rank)
     for layer in gpt.decoder.layers:
         seq = layer.mlp.experts
         grouped = copy.copy(seq)
-        grouped.__class__ = GroupedSequentialMLP
+        grouped.__class__ = Grouped
         grouped.cpu_kernel = kernel
         if ddp:  # overlapping the gradient reduction with the backward: every hook must run
             from megatron.core.distributed import (DistributedDataParallel,

@@ -37,3 +37,13 @@ def scripted_code(sample):
         raise RuntimeError("the verifier crashed")
     program = PROGRAMS["right" if kind == 0 else "loops forever"]
     return score_program(program, sample.tests, timeout_s=1.0)
+
+
+def number_reward(sample):
+    """A user's reward returning a bare number: the response's length over 10, or a string (not
+    a score) for the response "text", or NaN for "nan"."""
+    if sample.response == "text":
+        return "1.0"
+    if sample.response == "nan":
+        return float("nan")
+    return len(sample.response) / 10

@@ -375,7 +375,7 @@ def test_the_installed_package_runs_from_any_directory(tmp_path):
     elsewhere.mkdir()
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     env.pop("PYTHONPATH", None)
-    where = subprocess.run([str(py), "-c", "import megatron_gspo, megatron_gspo.config as c; "
+    where = subprocess.run([str(py), "-c", "import megatron_gspo, megatron_gspo.config.load as c; "
                             "print(megatron_gspo.__file__); print(c.conf_dir())"], cwd=elsewhere,
                            capture_output=True, text=True, env=env, timeout=120)
     package, conf = where.stdout.split()

@@ -40,7 +40,7 @@ def test_grouped_experts_equal_sequential_mlp_and_are_in_the_spec():
             assert r["out"] <= 1e-6 and r["dx"] <= 1e-6 and r["dw"] <= 1e-6, r
             assert r["dprobs"] <= 1e-6, r
             assert r.get("accum", 0.0) <= 1e-6, r
-    assert spec[0] == {"default": "GroupedSequentialMLP", "off": "SequentialMLP"}
+    assert spec[0] == {"default": "CPUGroupedExperts", "off": "SequentialMLP"}  # (on CPU)
 
 
 def test_groups_padded_for_hopper_give_the_same_results():

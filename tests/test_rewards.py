@@ -142,3 +142,44 @@ def test_pool_keeps_order():
         assert [r.score for r in results] == [float(n) for n in range(12)]
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_reward_by_module_and_function_name_may_return_a_number(workers):
+    from megatron_gspo.rewards.pool import make_scorer
+
+    fn = get_reward("tests.reward_fixtures:number_reward")
+    scorer = make_scorer(fn, workers=workers, timeout_s=60)
+    try:
+        results, failures = scorer.score([RewardInput("abc"), RewardInput("text"),
+                                          RewardInput("nan"), RewardInput("")])
+    finally:
+        scorer.close()
+    assert [r.score for r in results] == [0.3, 0.0, 0.0, 0.0]
+    assert failures == {"raised": 2}
+    assert "not a RewardResult or a finite number" in results[1].details["reason"]
+
+
+@pytest.mark.parametrize("name, message", [
+    ("bleu", "data.reward='bleu': is unknown; fix: use one of char_match, code, exact_match, "
+             "math, ... or MODULE:FUNCTION for a reward of your own"),
+    ("tests.reward_fixtures:nope", "data.reward='tests.reward_fixtures:nope': "
+                                   "'tests.reward_fixtures' has no 'nope'; fix: name an "
+                                   "importable module (on PYTHONPATH or in the working "
+                                   "directory) and a function in it"),
+    ("no_such_module:f", "data.reward='no_such_module:f': cannot import 'no_such_module' (No "
+                         "module named 'no_such_module'); fix: name an importable module (on "
+                         "PYTHONPATH or in the working directory) and a function in it"),
+    ("tests.reward_fixtures:PROGRAMS", "data.reward='tests.reward_fixtures:PROGRAMS': 'PROGRAMS' "
+                                       "is not callable; fix: name an importable module (on "
+                                       "PYTHONPATH or in the working directory) and a function "
+                                       "in it")])
+def test_a_reward_that_does_not_resolve_is_one_config_error(name, message):
+    from megatron_gspo.config import ConfigError
+    from megatron_gspo.config.load import job_from_dict
+
+    with pytest.raises(ConfigError) as info:
+        job_from_dict({"data": {"reward": name}})
+    head, _, tail = message.partition(" ... ")  # (other rewards the tests registered)
+    assert str(info.value).startswith(head) and str(info.value).endswith(tail), str(info.value)
+    job_from_dict({"data": {"reward": "tests.reward_fixtures:number_reward"}})  # resolves

@@ -148,20 +148,6 @@ def memory_plan(job, world: int, dp: int, checkpoint_format: str) -> MemoryPlan:
                       int(tokens))
 
 
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from megatron_gspo.config.load import conf_dir, job_from_dict, register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-        cfg = compose("config", overrides=[*overrides, "run_dir=."])
-    data = OmegaConf.to_container(cfg, resolve=False)
-    data.pop("hydra", None)
-    return job_from_dict(data)
-
-
 def model_overrides(model_path: str, sglang: bool) -> list[str]:
     """What launch/train.sbatch adds for ``--model-path`` (train the checkpoint with its own
     tokenizer; the servers serve it)."""
@@ -176,6 +162,7 @@ def plan(args, overrides: list[str]) -> list[str]:
     """The plan's lines; raises ``ConfigError`` when the job does not validate or fit."""
     from megatron_gspo.config import ConfigError
     from megatron_gspo.checkpoint.manager import optimizer_format
+    from megatron_gspo.config.load import compose_job
 
     import torch
 
@@ -192,12 +179,12 @@ def plan(args, overrides: list[str]) -> list[str]:
         extra += [f"rollout.sglang_gpus_per_server={args.sglang_tp or gpus}",
                   f"rollout.sglang_ep_per_server={args.sglang_ep}"]
     try:
-        job = _compose(extra + overrides)
+        job = compose_job(extra + overrides)
     except ConfigError as e:
         if not str(e).startswith("rollout.sglang_urls=[]"):
             raise
         # Servers started outside this job: their URLs are only known when it runs.
-        job = _compose(extra + overrides + ["rollout.sglang_urls=[http://planned:30000]"])
+        job = compose_job(extra + overrides + ["rollout.sglang_urls=[http://planned:30000]"])
     p, m, r = job.parallel, job.model, job.rollout
     # A cluster plan is a GPU job unless the config says otherwise; a local one follows the config.
     device = p.device if p.device != "auto" else ("cuda" if args.world_size is None else "cpu")

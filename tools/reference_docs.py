@@ -18,7 +18,7 @@ import inspect
 import os
 import sys
 
-from megatron_gspo.config.load import SECTIONS, conf_dir
+from megatron_gspo.config.load import SECTIONS, compose_job, conf_dir
 from megatron_gspo.trainer.metric_tags import TAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,19 +71,25 @@ def config_md() -> str:
            "(`algo=grpo` reads `conf/algo/grpo.yaml`). Top-level keys: `seed` (1234), "
            "`run_dir` (the Hydra run directory). Recipes that set several groups: "
            f"`+experiment=` {', '.join(group_options('experiment'))}; one arm of the paper's "
-           f"comparison: `+arm=` {', '.join(group_options('arm'))}.\n"]
+           f"comparison: `+arm=` {', '.join(group_options('arm'))}. \"default\" is the "
+           "schema's; \"main job\" is what `python -m megatron_gspo` runs with "
+           "(`conf/config.yaml` and the groups it chooses), where the two differ.\n"]
+    main_job = compose_job([])
     for section, cls in SECTIONS.items():
         doc = " ".join((cls.__doc__ or "").split())
         options = group_options(section)
         out.append(f"\n## `{section}`\n\n{doc}\n")
         if options:
             out.append(f"\nGroup options (`{section}=NAME`): {', '.join(options)}.\n")
-        out.append("\n| key | default | meaning |\n|---|---|---|\n")
+        out.append("\n| key | default | main job | meaning |\n|---|---|---|---|\n")
         comments = field_comments(cls)
         for f in dataclasses.fields(cls):
             meaning = comments.get(f.name, "").replace("|", "\\|")
-            default = default_of(f).replace("|", "\\|")
-            out.append(f"| `{section}.{f.name}` | `{default}` | {meaning} |\n")
+            default = default_of(f)
+            used = repr(getattr(getattr(main_job, section), f.name))
+            used = "" if used == default else f"`{used}`".replace("|", "\\|")
+            default = default.replace("|", "\\|")
+            out.append(f"| `{section}.{f.name}` | `{default}` | {used} | {meaning} |\n")
     return "".join(out)
 
 

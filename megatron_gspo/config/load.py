@@ -78,6 +78,18 @@ def job_from_dict(data: dict) -> JobConfig:
     return job
 
 
+def compose_job(overrides: list) -> JobConfig:
+    """The job ``python -m megatron_gspo OVERRIDES`` would run (without starting anything)."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, "run_dir=."])
+    data = OmegaConf.to_container(cfg, resolve=False)
+    data.pop("hydra", None)
+    return job_from_dict(data)
+
+
 def job_from_omegaconf(node) -> JobConfig:
     return job_from_dict(OmegaConf.to_container(node, resolve=True))
 

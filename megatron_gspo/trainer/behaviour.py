@@ -63,12 +63,12 @@ def behaviour_logprobs(run: Run, batch: RolloutBatch, plan: BehaviourPlan) -> Op
         batch.old_logp_BS = batch.trainer_logp_BS = unpack(batch, passed, logp)
     for layout in layouts[:skip]:  # not known until the first update: 0, and marked pending
         layout.scatter(batch.old_logp_BS, torch.zeros_like(layout.gather(batch.old_logp_BS)))
-    batch.pending_B = pending if skip else None
-    if policy.ref_model is not None:
+    if policy.ref_model is not None:  # (its regrouped micro-batches read no behaviour values)
         ref_layouts = forward_only(job, ctx, layouts)
         ref, _ = logprob_pass(policy.ref_model, micro_batches_of(batch, ref_layouts, pad_id), ctx,
                               temperature=temp)
         batch.ref_logp_BS = unpack(batch, ref_layouts, ref)
+    batch.pending_B = pending if skip else None
     return routes
 
 

@@ -34,9 +34,10 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 from profile_rl_step import job_dict  # noqa: E402
 from rl_step_vs_trl import SHAPE_FIELDS, SHAPES, VOCAB, active_params, matmul_gflops  # noqa: E402
@@ -89,26 +90,26 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=UserWarning)
-    from megatron_gspo.trainer import loop as trainer
     from megatron_gspo.config.load import job_from_dict
     from megatron_gspo.models.hf_mapping import export_hf
+    from megatron_gspo.trainer.setup import setup
 
     args.prompts, args.group_size, args.minibatches = 16, 8, 4
     args.micro_batch_size, args.steps = args.rows, 1
-    run = trainer.setup(job_from_dict(job_dict(args, tempfile.mkdtemp(prefix="compile_"))))
+    run = setup(job_from_dict(job_dict(args, tempfile.mkdtemp(prefix="compile_"))))
     g = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(3, VOCAB, (args.rows, args.seq + 1), generator=g)
     ids, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     positions = torch.arange(args.seq).expand(args.rows, args.seq)
 
     def ours():
-        run.ddp.zero_grad_buffer()
-        loss = mean_logp(run.ddp(ids, positions, attention_mask=None), targets)
+        run.policy.ddp.zero_grad_buffer()
+        loss = mean_logp(run.policy.ddp(ids, positions, attention_mask=None), targets)
         loss.backward()
         return loss.item()
 
     hf_dir = tempfile.mkdtemp(prefix="compile_hf_")
-    export_hf(run.gpt, run.job.model, run.ctx, hf_dir)  # our weights, in HF's layout
+    export_hf(run.policy.gpt, run.job.model, run.ctx, hf_dir)  # our weights, in HF's layout
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     hf_model = [hf]
 
@@ -119,7 +120,7 @@ def main() -> None:
         return loss.item()
 
     def compile_ours():
-        for m in run.gpt.modules():
+        for m in run.policy.gpt.modules():
             if type(m).__name__ == "TransformerLayer":
                 m.forward = torch.compile(m.forward)
 

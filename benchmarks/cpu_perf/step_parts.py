@@ -6,7 +6,7 @@ checks that they agree, and prints the median times (the two run alternately) an
 - packed attention: one SDPA call per packed sequence vs ``layers.packed_causal_attention``
   (length buckets), forward + backward; its gathers and writes by advanced indexing vs
   ``index_select`` / ``index_copy_``, with shared prompts; every bucket through SDPA's CPU kernel
-  vs the short ones as batched matmuls (``layers._MatmulBuckets``), forward + backward and
+  vs the short ones as batched matmuls (``backends.cpu.attention._MatmulBuckets``), forward + backward and
   forward only, at the compute and tiny shapes' heads; and its bucket plan built per sequence vs
   by whole-bucket operations;
 - batch building: the step's rows and packed layouts per sample and segment vs by whole-batch
@@ -23,7 +23,7 @@ checks that they agree, and prints the median times (the two run alternately) an
 - entropy: log-probs and entropy forward + backward with the entropy in the loss vs kept as a
   metric only (``entropy_coef`` 0: no entropy gradient);
 - RoPE: megatron-core's unfused ``apply_rotary_pos_emb`` (cos / sin, and under packing the
-  per-sequence table, made in every layer for q and k) vs ``layers.cache_rope_tables`` (made once
+  per-sequence table, made in every layer for q and k) vs ``models.rope.cache_rope_tables`` (made once
   per table / micro-batch), over the 6 layers of the compute shape: one decoding step, and one
   packed micro-batch forward + backward;
 - experts: the CPU SwiGLU function's backward computing ``silu(a)`` again, the probabilities'
@@ -45,7 +45,7 @@ import statistics
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 
@@ -63,7 +63,8 @@ def timed(before, after, repeats: int) -> tuple:
 
 
 def packed_attention(torch, F, repeats):
-    from megatron_gspo.models.layers import bucket_plan, packed_causal_attention
+    from megatron_gspo.backends.cpu.attention import cpu_packed_attention as packed_causal_attention
+    from megatron_gspo.models.layers import bucket_plan
 
     g = torch.Generator().manual_seed(0)
     # 128 sequences of a reverse-task batch: prompt + response, 12 to 31 tokens
@@ -128,7 +129,7 @@ def attention_gathers(torch, F, repeats):
     """Packed attention's per-bucket gathers and output writes by advanced indexing (as they
     were) vs ``index_select`` / ``index_copy_`` (``layers.packed_causal_attention``), on
     ``_shared_prompt_batch``, both with SDPA's kernel."""
-    from megatron_gspo.models.layers import packed_causal_attention
+    from megatron_gspo.backends.cpu.attention import cpu_packed_attention as packed_causal_attention
 
     plan, qkv = _shared_prompt_batch(torch)
 
@@ -150,9 +151,10 @@ def attention_gathers(torch, F, repeats):
 
 def bucket_kernel(torch, repeats, heads, groups, backward):
     """Packed attention with every bucket through SDPA's kernel (``matmul_max_keys=0``: the code
-    this replaced) vs the default (buckets of <= 32 key slots as ``layers._MatmulBuckets``), on
+    this replaced) vs the default (buckets of <= 32 key slots as ``backends.cpu.attention._MatmulBuckets``), on
     ``_shared_prompt_batch``'s plan with ``heads`` / ``groups`` of 32."""
-    from megatron_gspo.models.layers import bucket_plan, packed_causal_attention
+    from megatron_gspo.backends.cpu.attention import cpu_packed_attention as packed_causal_attention
+    from megatron_gspo.models.layers import bucket_plan
 
     g = torch.Generator().manual_seed(0)
     bounds, prefix_of = _shared_prompt_bounds(torch, g, 8, 24)
@@ -383,7 +385,7 @@ def rope(torch, repeats, packed):
     from megatron.core.transformer import attention
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_gspo.models import layers
+    from megatron_gspo.models import rope as rope_tables
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -391,7 +393,7 @@ def rope(torch, repeats, packed):
         dist.init_process_group("gloo", rank=0, world_size=1)
     cp = dist.new_group([0])
     config = TransformerConfig(num_layers=6, hidden_size=256, num_attention_heads=8)
-    layers.cache_rope_tables()
+    rope_tables.cache_rope_tables()
     inv = 1.0 / (10000 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32))
     g = torch.Generator().manual_seed(0)
     if packed:  # 32 sequences of 20-40 tokens, q and k of 6 layers, forward + backward
@@ -431,7 +433,7 @@ def rope(torch, repeats, packed):
 def experts_swiglu(torch, repeats):
     import torch.nn.functional as F
 
-    from megatron_gspo.models import grouped_experts as ge
+    from megatron_gspo.backends.cpu import experts as ge
 
     class Replaced(ge._ExpertsSwiGLU):  # its forward and backward before the change
         @staticmethod
@@ -483,7 +485,7 @@ def experts_swiglu(torch, repeats):
 
 def experts_kernel(torch, repeats):
     from megatron_gspo.backends.cpu import kernels as cpu_kernels
-    from megatron_gspo.models import grouped_experts as ge
+    from megatron_gspo.backends.cpu import experts as ge
 
     kernel = cpu_kernels.experts_swiglu()
     if kernel is None:

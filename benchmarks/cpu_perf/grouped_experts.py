@@ -2,9 +2,9 @@
 SequentialMLP loop (same weights, same tokens), one rank, CPU: through ``grouped_mm`` over the
 stacked weights and through the CPU function (``_ExpertsSwiGLU``, its PyTorch loop and its C++
 kernel), each forced; the default takes the function through its kernel where that builds, else
-its loop from ``GroupedSequentialMLP.swiglu_cpu_min_weight`` fc1 weight elements per expert.
+its loop from ``CPUGroupedExperts.swiglu_cpu_min_weight`` fc1 weight elements per expert.
 
-    python benchmarks/grouped_experts.py [--experts 64] [--top-k 8] [--tokens 2048] [--repeats 7]
+    python benchmarks/cpu_perf/grouped_experts.py [--experts 64] [--top-k 8] [--tokens 2048] [--repeats 7]
 
 The default shape is ``conf/experiment/paper_small.yaml``'s model (hidden 64, 4 layers, 64
 experts of width 16, top-8). Prints the median time of each and, last, the default path's ratio to the loop.
@@ -19,16 +19,16 @@ import sys
 import time
 import warnings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from megatron_gspo.backends.cpu import kernels as cpu_kernels
-from megatron_gspo.config import ModelConfig, ParallelConfig
-from megatron_gspo.models.grouped_experts import GroupedSequentialMLP
-from megatron_gspo.models.model import build_model
-from megatron_gspo.distributed.parallel import destroy_parallel, init_parallel
+from megatron_gspo.backends.cpu import kernels as cpu_kernels  # noqa: E402
+from megatron_gspo.backends.cpu.experts import CPUGroupedExperts  # noqa: E402
+from megatron_gspo.config import BackendConfig, ModelConfig, ParallelConfig  # noqa: E402
+from megatron_gspo.distributed.parallel import destroy_parallel, init_parallel  # noqa: E402
+from megatron_gspo.models.model import build_model  # noqa: E402
 
 
 def measure(grouped: bool, args, *, path: str = "") -> tuple:
@@ -38,11 +38,11 @@ def measure(grouped: bool, args, *, path: str = "") -> tuple:
     cfg = ModelConfig(vocab_size=128, hidden_size=args.hidden, num_layers=4, num_attention_heads=4,
                       num_query_groups=2, head_dim=16, ffn_hidden_size=128,
                       moe_ffn_hidden_size=args.expert_width, num_experts=args.experts,
-                      top_k=args.top_k, grouped_experts=grouped)
+                      top_k=args.top_k)
     ctx = init_parallel(ParallelConfig(), cfg, seed=0)
     try:
-        gpt = build_model(cfg, ctx)
-        experts = [m for m in gpt.modules() if isinstance(m, GroupedSequentialMLP)]
+        gpt = build_model(cfg, ctx, kernels=BackendConfig(grouped_experts=grouped))
+        experts = [m for m in gpt.modules() if isinstance(m, CPUGroupedExperts)]
         large_enough = all(m.experts_large_enough() for m in experts)
         for m in experts:
             m.swiglu_cpu_min_weight = 0 if path.startswith("function") else float("inf")

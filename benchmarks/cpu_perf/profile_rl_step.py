@@ -32,9 +32,10 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 from rl_step_vs_trl import SHAPE_FIELDS, SHAPES, VOCAB, active_params, model_fields  # noqa: E402
 
@@ -100,7 +101,7 @@ def instrument(run) -> None:
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     ranges = Ranges()
-    for module in run.gpt.modules():
+    for module in run.policy.gpt.modules():
         if isinstance(module, SelfAttention):
             ranges.hook_module(module, "attention")
         elif isinstance(module, TopKRouter):
@@ -114,11 +115,11 @@ def instrument(run) -> None:
             for name in ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
                          "combine_preprocess", "token_combine", "combine_postprocess"):
                 ranges.wrap(module.token_dispatcher, name, "dispatch")
-    ranges.hook_module(run.gpt.output_layer, "output layer")
-    ranges.wrap(run.optimizer, "step", "optimizer")
+    ranges.hook_module(run.policy.gpt.output_layer, "output layer")
+    ranges.wrap(run.policy.optimizer, "step", "optimizer")
     for name in ("zero_grad_buffer", "finish_grad_sync", "start_grad_sync"):
-        if hasattr(run.ddp, name):
-            ranges.wrap(run.ddp, name, "grad sync")
+        if hasattr(run.policy.ddp, name):
+            ranges.wrap(run.policy.ddp, name, "grad sync")
     # The policy loss (log-probs of the targets and the objective) is a range of forward.py.
 
 
@@ -201,11 +202,12 @@ def start_run(args, prefix: str):
     torch.set_num_threads(args.threads)
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=UserWarning)
-    from megatron_gspo.trainer import loop as trainer
     from megatron_gspo.config.load import job_from_dict
+    from megatron_gspo.trainer.setup import setup
+    from megatron_gspo.trainer.warmup import warm_up
 
-    run = trainer.setup(job_from_dict(job_dict(args, tempfile.mkdtemp(prefix=prefix))))
-    trainer.warm_up(run)
+    run = setup(job_from_dict(job_dict(args, tempfile.mkdtemp(prefix=prefix))))
+    warm_up(run)
     return run
 
 

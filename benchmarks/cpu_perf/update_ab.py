@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,9 +43,9 @@ from profile_rl_step import add_run_args, fill_shape, start_run  # noqa: E402
 
 def experts_function(run):
     """(before, after) setters: the expert layers through grouped_mm, or the CPU function."""
-    from megatron_gspo.models.grouped_experts import GroupedSequentialMLP
+    from megatron_gspo.backends.cpu.experts import CPUGroupedExperts
 
-    layers = [m for m in run.gpt.modules() if isinstance(m, GroupedSequentialMLP)]
+    layers = [m for m in run.policy.gpt.modules() if isinstance(m, CPUGroupedExperts)]
 
     def before():
         for m in layers:
@@ -54,23 +54,23 @@ def experts_function(run):
     def after():
         for m in layers:
             m.__dict__.pop("swiglu_cpu_min_weight", None)  # the class's threshold
-            m.cpu_kernel = run.job.model.cpu_experts_kernel
+            m.cpu_kernel = run.job.backend.cpu_experts_kernel
 
     return before, after
 
 
 def short_buckets(run):
     """(before, after) setters: every packed-attention bucket through SDPA, or the default."""
-    from megatron_gspo.models import layers
+    from megatron_gspo.backends.cpu import attention
 
-    now = layers.packed_causal_attention
+    now = attention.cpu_packed_attention
     sdpa_only = functools.partial(now, matmul_max_keys=0)
 
     def before():
-        layers.packed_causal_attention = sdpa_only
+        attention.cpu_packed_attention = sdpa_only
 
     def after():
-        layers.packed_causal_attention = now
+        attention.cpu_packed_attention = now
 
     return before, after
 
@@ -79,11 +79,11 @@ def experts_kernel(run):
     """(before, after) setters: the CPU SwiGLU function's loop (MKL splitting each product over
     the threads), or its C++ kernel (whole experts per thread)."""
     from megatron_gspo.backends.cpu import kernels as cpu_kernels
-    from megatron_gspo.models.grouped_experts import GroupedSequentialMLP
+    from megatron_gspo.backends.cpu.experts import CPUGroupedExperts
 
     if cpu_kernels.experts_swiglu() is None:
         raise SystemExit("experts_kernel: the C++ kernel did not build (see the log line above)")
-    layers = [m for m in run.gpt.modules() if isinstance(m, GroupedSequentialMLP)]
+    layers = [m for m in run.policy.gpt.modules() if isinstance(m, CPUGroupedExperts)]
 
     def before():
         for m in layers:
@@ -109,14 +109,15 @@ def main() -> None:
     if args.minibatches % 2:
         p.error("--minibatches must be even (the updates of a step are compared in pairs)")
 
-    from megatron_gspo.trainer import loop as trainer
+    from megatron_gspo.trainer import updates
+    from megatron_gspo.trainer.loop import rl_step
 
     run = start_run(args, "update_ab_")
     setters = CHANGES[args.change](run)
-    trainer.rl_step(run, 1)  # warm-up, with the change
+    rl_step(run, 1)  # warm-up, with the change
     timed = {0: [], 1: []}  # variant -> (seconds per fed token, page faults) per update
     order = []
-    policy_update = trainer.policy_update
+    policy_update = updates.policy_update  # looked up there by update()
 
     def alternating(ddp, optimizer, mbs, *a, **k):
         variant = order.pop(0)
@@ -131,14 +132,14 @@ def main() -> None:
         timed[variant].append((seconds / tokens, faults))
         return result
 
-    trainer.policy_update = alternating
+    updates.policy_update = alternating
     try:
         for step in range(2, args.steps + 2):
             first = step % 2
             order[:] = [first, 1 - first] * (args.minibatches // 2)
-            trainer.rl_step(run, step)
+            rl_step(run, step)
     finally:
-        trainer.policy_update = policy_update
+        updates.policy_update = policy_update
         setters[1]()
     ratios = [a / b for (a, _), (b, _) in zip(timed[0], timed[1])]
     q1, _, q3 = statistics.quantiles(ratios, n=4)

@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,19 +71,20 @@ def depth(part: str) -> int:
 
 
 def instrument(run, timers: Timers) -> None:
-    from megatron_gspo.trainer import optim, passes as policy, loop as trainer
+    from megatron_gspo.trainer import loop, optim, passes as policy, updates
 
-    timers.wrap(trainer, "update", "update phase")
-    timers.wrap(trainer, "_micro_batches", "micro-batches")
-    timers.wrap(trainer, "normalizer_for", "normalizer")
-    timers.wrap(trainer, "policy_update", "policy update")
+    # Each function wrapped where its caller looks it up (the importing module's namespace).
+    timers.wrap(loop, "update", "update phase")
+    timers.wrap(updates, "micro_batches_of", "micro-batches")
+    timers.wrap(updates, "normalizer_for", "normalizer")
+    timers.wrap(updates, "policy_update", "policy update")
     timers.wrap(policy, "zero_grads", "zero gradients")
     timers.wrap(policy, "forward_backward", "forward + backward")
     timers.wrap(policy, "last_stage_metrics", "metrics")
     timers.wrap(policy, "combine_over_data_parallel", "metrics")
     timers.wrap(policy, "all_finite", "non-finite check")
-    timers.wrap(run.optimizer, "step", "optimizer step")
-    for sub in optim.sub_optimizers(run.optimizer):
+    timers.wrap(run.policy.optimizer, "step", "optimizer step")
+    for sub in optim.sub_optimizers(run.policy.optimizer):
         for name, part in (("_copy_model_grads_to_main_grads", "fp32 grads to shards"),
                            ("_copy_main_params_to_model_params", "shards to params"),
                            ("get_grad_norm", "gradient norm")):
@@ -99,16 +100,16 @@ def main() -> None:
     args = p.parse_args()
     fill_shape(args)
 
-    from megatron_gspo.trainer import loop as trainer
+    from megatron_gspo.trainer.loop import rl_step
 
     run = start_run(args, "update_parts_")
-    trainer.rl_step(run, 1)  # warm-up
+    rl_step(run, 1)  # warm-up
     timers = Timers()
     instrument(run, timers)
     per_step = []
     for step in range(2, args.steps + 2):
         timers.reset()
-        trainer.rl_step(run, step)
+        rl_step(run, step)
         per_step.append(dict(timers.seconds))
     ms = {part: 1e3 * statistics.median(s.get(part, 0.0) for s in per_step) for part, _ in PARTS}
     update = ms["update phase"]

@@ -96,17 +96,19 @@ def test_readme_marks_its_runnable_commands():
 @pytest.mark.parametrize("command", runnable_commands())
 def test_readme_command_runs_as_written(command, tmp_path, qwen3_30b_dir):
     """Each runnable command, as written, from a fresh directory that has the checkout's launch
-    scripts; ``$HF`` is a Qwen3-30B-A3B config directory and ``$PROMPTS`` a prompt file."""
+    scripts and its virtual environment (``.venv``: this interpreter's); ``$HF`` is a
+    Qwen3-30B-A3B config directory and ``$PROMPTS`` a prompt file."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
                                for i in range(8)))
     os.symlink(os.path.join(ROOT, "launch"), tmp_path / "launch")
+    os.symlink(os.path.dirname(os.path.dirname(sys.executable)), tmp_path / ".venv")
     env = user_env(HF=qwen3_30b_dir, PROMPTS=str(prompts), OMP_NUM_THREADS="1")
     out = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True,
                          timeout=600, env=env)
     assert out.returncode == 0, f"{command}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     words = shlex.split(command)
-    if words[:3] == ["python", "-m", "megatron_gspo"] and "--cfg" not in words:
+    if words[1:3] == ["-m", "megatron_gspo"] and "--cfg" not in words:
         assert "held-out accuracy:" in out.stdout  # it ran to its end
         assert out.stderr == "", out.stderr  # a clean console
 

@@ -49,6 +49,7 @@ def main(cfg: DictConfig) -> None:
     from megatron_gspo.data.prompts import PromptDataError
     from megatron_gspo.data.tokenizer import TokenizerError
     from megatron_gspo.distributed.parallel import destroy_parallel
+    from megatron_gspo.rollout.types import RolloutError
 
     try:
         job = job_from_omegaconf(cfg)
@@ -66,6 +67,9 @@ def main(cfg: DictConfig) -> None:
     except faults.NonFiniteError as e:
         _report(f"error: {e}")
         sys.exit(faults.NONFINITE_EXIT_CODE)
+    except RolloutError as e:
+        _report(f"rollout error: {e}")
+        sys.exit(faults.ROLLOUT_EXIT_CODE)
     finally:
         try:
             destroy_parallel()

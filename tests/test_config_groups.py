@@ -118,7 +118,7 @@ def test_every_pair_of_group_options_composes(composer):
         data = composer(fill([f"{g}={o}" for g, o in chosen.items()]))
         for g, o in chosen.items():  # each group's file was applied
             if g in ("algo", "replay", "rollout", "cluster"):
-                assert data[g].get("name", data[g].get("mode", data[g].get("engine"))) == o, (g, o)
+                assert data[g].get("name", data[g].get("engine", data[g].get("mode"))) == o, (g, o)
         validate(data)  # every pair of shipped options is a valid job
 
 
@@ -188,6 +188,19 @@ INVALID = [  # (overrides, key the message must name)
     (["model.vocab_size=64"], "model.vocab_size"),  # smaller than the built-in tokenizer
     (["model.params_dtype=float16"], "model.params_dtype"),
     (["cluster=slurm", "cluster.signal_s=999999"], "cluster.signal_s"),
+    (["rollout.mode=eager"], "rollout.mode"),
+    (["rollout.mode=async", "algo.rollout_correction=decoupled"], "rollout.mode"),  # local engine
+    (["rollout.mode=one_step_off"], "rollout.mode"),  # off-policy samples, no correction
+    (["rollout.max_staleness=-1"], "rollout.max_staleness"),
+    (["rollout.partial=true", "rollout.mode=one_step_off", "algo.rollout_correction=decoupled"],
+     "rollout.partial"),  # one_step_off generates no segments across syncs
+    (["rollout=sglang", "rollout.sglang_urls=[http://h:1]", "rollout.mode=async",
+      "rollout.pause_mode=in_place", "algo.rollout_correction=decoupled"], "rollout.pause_mode"),
+    (["rollout=sglang", "rollout.sglang_urls=[http://h:1]", "rollout.mode=async",
+      "rollout.pause_mode=retract", "algo.rollout_correction=decoupled"], "rollout.pause_mode"),
+    (["rollout.mode=one_step_off", "rollout.dynamic_sampling=true",
+      "algo.rollout_correction=decoupled"], "rollout.dynamic_sampling"),
+    (["rollout.partial_segment_tokens=-1"], "rollout.partial_segment_tokens"),
 ]
 
 

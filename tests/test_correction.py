@@ -154,3 +154,89 @@ def test_seq_mis_through_a_perturbed_engine(tiny_hf_checkpoint, tmp_path):
     assert 0 < sum(masked) < len(masked)  # both kinds occur
     got = out["metrics"]["train/rollout_correction/masked_fraction"]
     assert got == pytest.approx(sum(masked) / len(masked), abs=1e-12)
+
+
+def ref_decoupled(prox, mu, mask, *, per_token: bool, cap: float, low: float, high: float):
+    """w_i = min(g_i, C) 1[lo <= g_i <= hi], g_i = exp(mean_t(log pi_prox - log mu)) over the
+    sequence's response tokens; per token, g_t = exp(log pi_prox - log mu)."""
+    b, t = prox.shape
+    w = torch.zeros(b, t, dtype=D)
+    for i in range(b):
+        idx = [j for j in range(t) if mask[i, j] > 0]
+        if not idx:
+            continue
+        seq = math.exp(sum(float(prox[i, j] - mu[i, j]) for j in idx) / len(idx))
+        for j in idx:
+            g = math.exp(float(prox[i, j] - mu[i, j])) if per_token else seq
+            w[i, j] = min(g, cap) if low <= g <= high else 0.0
+    return w
+
+
+def ref_decoupled_gspo_loss(logp, prox, adv, mask, w, el, eh):
+    """L = -(1/G) sum_i w_i min(s_i A_i, clip(s_i, 1 - el, 1 + eh) A_i),
+    s_i = exp(sum_t m_t (log pi - log pi_prox) / sum_t m_t), over sequences with tokens."""
+    terms = []
+    for i in range(logp.shape[0]):
+        m = mask[i] > 0
+        if not bool(m.any()):
+            continue
+        s = torch.exp((logp[i][m] - prox[i][m]).sum() / int(m.sum()))
+        wi = w[i][m][0]
+        terms.append(-wi * torch.minimum(s * adv[i], torch.clamp(s, 1 - el, 1 + eh) * adv[i]))
+    return torch.stack(terms).mean()
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_decoupled_weights_match_the_formula(per_token):
+    _, prox, _, mask = batch(11, b=8, t=6, lengths=[6, 1, 0, 3, 6, 2, 1, 5])
+    mu = engine_of(prox, seed=4, scale=0.6)
+    weights, metrics = rollout_weights(prox, mu, mask, mode="decoupled", cap=1.5, low=0.4,
+                                       high=3.0, per_token=per_token)
+    expected = ref_decoupled(prox, mu, mask, per_token=per_token, cap=1.5, low=0.4, high=3.0)
+    assert (weights - expected).abs().max().item() <= 1e-12
+    assert 0 < (expected[mask > 0] == 0).sum() < (mask > 0).sum()  # some masked, some not
+    assert (expected[mask > 0] == 1.5).any()  # and some truncated at the cap
+
+
+def test_decoupled_gspo_loss_and_gradient_match_the_formula():
+    """The off-policy GSPO objective: the sequence ratio against pi_prox, times the detached
+    truncated, masked sequence weight of pi_prox over the behaviour policy mu (float64)."""
+    from megatron_gspo.algorithms.correction import weighted_advantages
+
+    logp, prox, adv, mask = batch(13, b=8, t=6, spread=0.0003, lengths=[6, 1, 0, 3, 6, 2, 1, 5])
+    mu = engine_of(prox, seed=5, scale=0.5)
+    el, eh = DEFAULT_CLIP["gspo"]
+    weights, _ = rollout_weights(prox, mu, mask, mode="decoupled", cap=1.5, low=0.5, high=2.0)
+    adv_w = weighted_advantages("gspo", adv, weights, mask)
+    got, got_grad = value_and_grad(lambda x: policy_loss("gspo", x, prox, adv_w, mask)[0], logp)
+    w_ref = ref_decoupled(prox, mu, mask, per_token=False, cap=1.5, low=0.5, high=2.0)
+    want, want_grad = value_and_grad(
+        lambda x: ref_decoupled_gspo_loss(x, prox, adv, mask, w_ref, el, eh), logp)
+    assert abs(got.item() - want.item()) <= 1e-12
+    assert (got_grad - want_grad).abs().max().item() <= 1e-12
+    # the gradient by central finite differences of the written-out loss
+    h = 1e-6
+    fd = torch.zeros_like(logp)
+    for i in range(logp.shape[0]):
+        for j in range(logp.shape[1]):
+            e = torch.zeros_like(logp)
+            e[i, j] = h
+            fd[i, j] = (ref_decoupled_gspo_loss(logp + e, prox, adv, mask, w_ref, el, eh)
+                        - ref_decoupled_gspo_loss(logp - e, prox, adv, mask, w_ref, el, eh)) / (2 * h)
+    assert (got_grad - fd).abs().max().item() <= 1e-8
+
+
+@pytest.mark.parametrize("algo", ["gspo", "gspo_token", "grpo"])
+def test_decoupled_with_the_behaviour_policy_as_proximal_is_todays_loss(algo):
+    """mu == pi_prox: every weight 1, the loss and its gradient bitwise today's."""
+    from megatron_gspo.algorithms.correction import weighted_advantages
+
+    logp, prox, adv, mask = batch(17, b=8, t=6, lengths=[6, 1, 0, 3, 6, 2, 1, 5])
+    logp, prox, adv, mask = (x.float() for x in (logp, prox, adv, mask))
+    weights, metrics = rollout_weights(prox, prox.clone(), mask, mode="decoupled",
+                                       per_token=algo != "gspo")
+    assert torch.equal(weights, mask) and metrics["masked_fraction"].item() == 0.0
+    adv_w = weighted_advantages(algo, adv, weights, mask)
+    today = value_and_grad(lambda x: policy_loss(algo, x, prox, adv, mask)[0], logp)
+    decoupled = value_and_grad(lambda x: policy_loss(algo, x, prox, adv_w, mask)[0], logp)
+    assert torch.equal(today[0], decoupled[0]) and torch.equal(today[1], decoupled[1])

@@ -194,10 +194,12 @@ class CheckpointManager:
 
     # -- saving ------------------------------------------------------------------------------------
     def save(self, step: int, *, model, optimizer, state: dict,
-             before_commit: Optional[Callable[[], None]] = None) -> str:
+             before_commit: Optional[Callable[[], None]] = None,
+             rank_state: Optional[dict] = None) -> str:
         """Write checkpoint ``step``: shards, per-rank RNG, ``state`` (JSON), the manifest, then the
         rename and the ``latest`` pointer. ``before_commit`` runs on rank 0 after the shards are on
-        disk and before anything is committed (fault injection in tests)."""
+        disk and before anything is committed (fault injection in tests). ``rank_state``: this
+        rank's own state (a rollout producer's), saved beside its RNG state."""
         from megatron.core import dist_checkpointing
 
         name = f"step_{step:06d}"
@@ -224,6 +226,8 @@ class CheckpointManager:
             os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
         dist.barrier()
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{self.ctx.rank:05d}.pt"))
+        if rank_state is not None:
+            torch.save(rank_state, os.path.join(tmp, "rng", f"state_{self.ctx.rank:05d}.pt"))
         dist.barrier()
         if rank0:
             full_state = dict(state, step=step, layout=_layout(self.ctx), has_optimizer=has_optimizer,
@@ -338,6 +342,20 @@ class CheckpointManager:
             _warn(f"{path}: saved from layout {state.get('layout')}, resuming on "
                   f"{_layout(self.ctx)}: RNG streams are reseeded")
         return state
+
+
+    def load_rank_state(self, path: str) -> Optional[dict]:
+        """This rank's own state saved in ``path`` (``save(rank_state=)``), or None; saved on
+        another layout it belongs to other ranks: an error."""
+        with open(os.path.join(path, STATE)) as f:
+            layout = json.load(f).get("layout")
+        file = os.path.join(path, "rng", f"state_{self.ctx.rank:05d}.pt")
+        if not os.path.isfile(file):
+            return None
+        if layout != _layout(self.ctx):
+            raise CheckpointError(f"{path}: its rollout producers' state was saved on layout "
+                                  f"{layout}; resume an asynchronous run on that layout")
+        return torch.load(file, weights_only=False)
 
 
 def _unshare_adam_steps(optimizer) -> None:

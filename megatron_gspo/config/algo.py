@@ -41,13 +41,17 @@ class AlgoConfig:
     # policy's to float rounding, but the first mini-batch's from its update's forward;
     # recompute elsewhere: SGLang, GPU, bf16, R2, R3, rollout correction).
     old_logprobs: str = "auto"
-    # Rollout correction for the engine/trainer mismatch (megatron_gspo.correction): none |
-    # token_tis | seq_tis (weights min(ratio, cap)) | seq_mis (sequences outside [low, high]
-    # dropped); gspo takes the sequence modes only.
+    # Rollout correction: importance weights of the trainer's old policy over the engine's
+    # sampling (algorithms/correction.py): none | token_tis | seq_tis (weights min(ratio, cap)) |
+    # seq_mis (sequences outside [low, high] dropped) | decoupled (off-policy samples of
+    # rollout.mode one_step_off / async: min(ratio, cap) and 0 outside [low, high], per
+    # sequence's geometric mean for gspo, per token for gspo_token and grpo); gspo takes the
+    # sequence modes only.
     rollout_correction: str = "none"
-    rollout_correction_cap: float = 2.0  # token_tis / seq_tis: weights capped at this
-    rollout_correction_low: float = 0.5  # seq_mis: sequences whose ratio is below this get weight 0
-    rollout_correction_high: float = 2.0  # seq_mis: ... or above this
+    rollout_correction_cap: float = 2.0  # token_tis / seq_tis / decoupled: weights capped at this
+    # seq_mis / decoupled: sequences (tokens) whose ratio is below this get weight 0
+    rollout_correction_low: float = 0.5
+    rollout_correction_high: float = 2.0  # seq_mis / decoupled: ... or above this
 
     def validate(self) -> "AlgoConfig":
         """The values on their own; the loss options and correction modes against their

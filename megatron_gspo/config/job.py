@@ -58,6 +58,10 @@ class JobConfig:
                           "trainer's old-policy log-probs against the engine's, and "
                           "algo.old_logprobs=engine takes the engine's for both (every weight 1)",
                           "use algo.old_logprobs=recompute or auto with rollout correction")
+        if self.rollout.mode != "sync" and self.algo.rollout_correction == "none":
+            raise invalid("rollout.mode", self.rollout.mode, "trains on samples of older policies, "
+                          "which need an off-policy correction",
+                          "set algo.rollout_correction=decoupled")
         rows = self.rollout.prompts_per_step * self.rollout.group_size
         if rows % self.algo.minibatches:
             raise invalid("algo.minibatches", self.algo.minibatches, f"does not divide the "
@@ -89,6 +93,7 @@ class JobConfig:
             # A replica's other ranks wait in one broadcast while its leader waits for the
             # servers, generates (in waves of max_in_flight requests) or updates weights.
             waves = -(-rows // (r.sglang_rows_per_request * r.sglang_max_in_flight))
+            waves *= r.staleness_bound + 1  # async: a batch's rounds under one version
             waits = {"rollout.sglang_startup_timeout_s": r.sglang_startup_timeout_s,
                      f"{waves} x rollout.sglang_generate_timeout_s":
                          waves * r.sglang_generate_timeout_s,

@@ -62,6 +62,28 @@ class RolloutConfig:
     overlong: str = "keep"
     # soft_penalty: the tokens before the limit over which the penalty ramps
     overlong_buffer: int = 4
+    # Asynchronous RL: sync (generate, train, sync weights: every sample on-policy) |
+    # one_step_off (step k+1's batch generated while step k trains, by the weights before step k:
+    # staleness 1; the local engine generates it before step k trains, no overlap on one device) |
+    # async (sglang: each replica leader's producer keeps generating, up to max_staleness + 1
+    # steps' batches admitted ahead). Off-policy modes need algo.rollout_correction.
+    mode: str = "sync"
+    # async: policy versions a sample may lag the policy that trains on it (eta): a group is
+    # admitted for step t once the servers hold version t - 1 - max_staleness or later, so every
+    # token of it is at most max_staleness versions older than the policy of step t
+    max_staleness: int = 1
+    # async: responses generated in segments across weight syncs, each resumed under the new
+    # weights (re-prefill), every token recorded with the version that sampled it
+    partial: bool = False
+    # partial: new tokens per response per round; a weight sync waits for the round to end, so
+    # the versions of every token follow the schedule, not the clock (reproducible) | 0: no
+    # segments, a sync aborts the requests in flight (their tokens kept; more overlap, versions
+    # depend on timing)
+    partial_segment_tokens: int = 64
+    # How the servers pause for a weight sync: abort (requests in flight end and return their
+    # tokens). retract and in_place are refused: both carry a request across the update under
+    # one version label, and in_place keeps the KV cache of the old weights.
+    pause_mode: str = "abort"
 
     def validate(self) -> "RolloutConfig":
         if self.engine not in ("local", "sglang"):
@@ -119,11 +141,45 @@ class RolloutConfig:
         if self.tensor_sync_format not in ("direct", "hf"):
             raise invalid("rollout.tensor_sync_format", self.tensor_sync_format, "is unknown",
                           "use direct or hf")
+        self.validate_async()
         if self.sglang_gpus_per_server % self.sglang_ep_per_server:
             raise invalid("rollout.sglang_ep_per_server", self.sglang_ep_per_server,
                           f"does not divide sglang_gpus_per_server={self.sglang_gpus_per_server}",
                           "SGLang's --ep-size divides its --tp-size")
         return self
+
+    def validate_async(self) -> None:
+        if self.mode not in ("sync", "one_step_off", "async"):
+            raise invalid("rollout.mode", self.mode, "is unknown", "use sync, one_step_off or async")
+        if self.mode == "async" and self.engine != "sglang":
+            raise invalid("rollout.mode", "async", "needs SGLang servers beside the trainer (the "
+                          "local engine shares the trainer's device: nothing to overlap)",
+                          "use rollout=sglang, or rollout.mode=one_step_off with the local engine")
+        if self.max_staleness < 0:
+            raise invalid("rollout.max_staleness", self.max_staleness, "must be >= 0",
+                          "0 (on-policy batches) or more")
+        if self.partial and self.mode != "async":
+            raise invalid("rollout.partial", True, f"splits responses across weight syncs, which "
+                          f"rollout.mode={self.mode} does not run during generation",
+                          "use rollout.mode=async")
+        if self.partial_segment_tokens < 0:
+            raise invalid("rollout.partial_segment_tokens", self.partial_segment_tokens,
+                          "must be >= 0", "e.g. 64, or 0 to abort at each sync")
+        if self.pause_mode != "abort":
+            why = ("keeps the KV cache computed by the old weights" if self.pause_mode == "in_place"
+                   else "carries requests across the update under one version label")
+            raise invalid("rollout.pause_mode", self.pause_mode,
+                          why if self.pause_mode in ("in_place", "retract") else "is unknown",
+                          "use abort (requests end and are resumed under the new weights)")
+        if self.dynamic_sampling and self.mode != "sync":
+            raise invalid("rollout.dynamic_sampling", True, "redraws prompts until a batch is "
+                          f"full, which rollout.mode={self.mode}'s admission schedule does not",
+                          "use rollout.mode=sync with dynamic sampling")
+
+    @property
+    def staleness_bound(self) -> int:
+        """How many policy versions a trained sample's oldest token may lag (eta)."""
+        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
 
     @property
     def engine_returns_routes(self) -> bool:

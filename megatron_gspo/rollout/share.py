@@ -16,25 +16,35 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_gspo.distributed import comm
-from megatron_gspo.rollout.types import Sample
+from megatron_gspo.rollout.types import RolloutError, Sample
 
 
-_REASONS = ("stop", "length")
+_REASONS = ("stop", "length", "abort")
 
 
-def share_samples(samples: Optional[Sequence[Sample]], *, group, device: torch.device
-                  ) -> list[Sample]:
+def share_samples(samples: Optional[Sequence[Sample]], *, group, device: torch.device,
+                  failed: bool = False) -> list[Sample]:
     """Group rank 0 passes its samples, the other ranks ``None``; every rank returns them (the
-    leader its own objects, the others rebuilt bitwise from the broadcasts)."""
-    leader = samples is not None
-    header = torch.zeros(3, dtype=torch.int64, device=device)  # N, L, K (L = 0: no routes)
-    if leader:
+    leader its own objects, the others rebuilt bitwise from the broadcasts). ``failed`` (on the
+    leader, with no samples): its rollout failed; the others raise ``RolloutError`` (the leader
+    raises its own error)."""
+    leader = samples is not None or failed
+    # N, L, K (L = 0: no routes), whether the samples carry per-token versions
+    header = torch.zeros(4, dtype=torch.int64, device=device)
+    if failed:
+        header.fill_(-1)
+    elif leader:
         routes = [s.routes_TLK for s in samples]
         has_routes = bool(samples) and all(r is not None for r in routes)
         shape = routes[0].shape[1:] if has_routes else (0, 0)
-        header.copy_(torch.tensor([len(samples), *shape], dtype=torch.int64))
+        versions = bool(samples) and all(s.versions_R is not None for s in samples)
+        header.copy_(torch.tensor([len(samples), *shape, int(versions)], dtype=torch.int64))
     comm.broadcast_tensor(header, src_in_group=0, group=group)
-    n, layers, top_k = header.tolist()
+    n, layers, top_k, has_versions = header.tolist()
+    if n < 0:
+        if failed:
+            return []
+        raise RolloutError("the replica leader's rollout failed (its error is in its log)")
 
     sizes_N4 = torch.zeros(n, 4, dtype=torch.int64, device=device)  # prompt, response, index, reason
     if leader:
@@ -50,20 +60,24 @@ def share_samples(samples: Optional[Sequence[Sample]], *, group, device: torch.d
     ids_T = torch.zeros(tokens, dtype=torch.int64, device=device)
     logp_R = torch.zeros(responses, dtype=torch.float32, device=device)
     routes_TLK = torch.zeros(route_rows, layers, top_k, dtype=torch.int32, device=device)
+    versions_R = torch.zeros(responses if has_versions else 0, dtype=torch.int64, device=device)
     if leader and n:
         ids_T.copy_(torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.response_ids)],
                                  dtype=torch.int64))
         logp_R.copy_(torch.cat([s.logprobs_R.float().reshape(-1) for s in samples]))
         if layers:
             routes_TLK.copy_(torch.cat([s.routes_TLK.to(torch.int32) for s in samples]))
-    for t in (ids_T, logp_R, routes_TLK):
+        if has_versions:
+            versions_R.copy_(torch.cat([s.versions_R.reshape(-1).long() for s in samples]))
+    for t in (ids_T, logp_R, routes_TLK, versions_R):
         comm.broadcast_tensor(t, src_in_group=0, group=group)
     if leader:
         return list(samples)
-    return _unpack(sizes, ids_T.cpu(), logp_R.cpu(), routes_TLK.cpu() if layers else None)
+    return _unpack(sizes, ids_T.cpu(), logp_R.cpu(), routes_TLK.cpu() if layers else None,
+                   versions_R.cpu() if has_versions else None)
 
 
-def _unpack(sizes, ids_T, logp_R, routes_TLK) -> list[Sample]:
+def _unpack(sizes, ids_T, logp_R, routes_TLK, versions_R=None) -> list[Sample]:
     out, t, r, q = [], 0, 0, 0
     for p_len, r_len, index, reason in sizes:
         ids = ids_T[t:t + p_len + r_len].tolist()
@@ -74,7 +88,8 @@ def _unpack(sizes, ids_T, logp_R, routes_TLK) -> list[Sample]:
             q += rows
         out.append(Sample(prompt_ids=ids[:p_len], response_ids=ids[p_len:],
                           logprobs_R=logp_R[r:r + r_len].clone(), finish_reason=_REASONS[reason],
-                          routes_TLK=routes, prompt_index=index))
+                          routes_TLK=routes, prompt_index=index,
+                          versions_R=None if versions_R is None else versions_R[r:r + r_len].clone()))
         t += p_len + r_len
         r += r_len
     return out

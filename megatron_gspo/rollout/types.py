@@ -11,6 +11,21 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 
+class RolloutError(RuntimeError):
+    """Generation failed for good (a server, a timeout, a broken schedule); the message says
+    which and why, in one line."""
+
+
+@dataclass(frozen=True)
+class RowRequest:
+    """One response row's next request: what the engine reads (a prompt, or a prompt and the
+    tokens a partial rollout has so far), how many new tokens at most, the row's seed."""
+
+    input_ids: list
+    max_new_tokens: int
+    seed: Optional[int] = None
+
+
 def row_seed(seed: int, row: int) -> int:
     """The sampling seed of response row ``row`` (its index in the step's global batch) of a
     request seeded ``seed`` (the trainer's: a function of the run seed and the step): the same
@@ -44,7 +59,9 @@ class Sample:
     """One generated response. ``logprobs_R`` are the sampling policy's log-probs of the response
     tokens (softmax of logits / temperature, before top-k / top-p truncation; temperature 1 when
     greedy). ``routes_TLK``, when returned, covers every position fed to the model: the prompt and
-    all response tokens but the last."""
+    all response tokens but the last. ``versions_R``: the policy version (weight syncs done) that
+    sampled each response token, when the engine reports it (asynchronous rollouts; a partial
+    rollout's segments can differ)."""
 
     prompt_ids: list
     response_ids: list
@@ -53,6 +70,7 @@ class Sample:
     routes_TLK: Optional[torch.Tensor] = None
     prompt_index: int = 0  # which prompt of the request this sample answers
     meta: dict = field(default_factory=dict)
+    versions_R: Optional[torch.Tensor] = None
 
 
 class Engine(Protocol):

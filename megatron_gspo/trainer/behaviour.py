@@ -86,7 +86,7 @@ def correct_for_the_engine(algo: AlgoConfig, ctx: ParallelContext, batch: Rollou
     weights, m = rollout_weights(batch.old_logp_BS.double(), batch.engine_logp_BS.double(),
                                  batch.mask_BS, mode=algo.rollout_correction,
                                  cap=algo.rollout_correction_cap, low=algo.rollout_correction_low,
-                                 high=algo.rollout_correction_high)
+                                 high=algo.rollout_correction_high, per_token=algo.name != "gspo")
     batch.advantages_B = weighted_advantages(algo.name, batch.advantages_B.double(), weights,
                                              batch.mask_BS).float()
     tokens = float(batch.mask_BS.sum())

@@ -21,8 +21,9 @@ def save(run: Run, step: int) -> str:
              "guard": policy.guard.state_dict(), "updates": policy.updates,
              "history": run.history, "config": job_to_dict(run.job)}
     kill = _kill if run.job.trainer.kill_during_save == step else None
+    mine = {"producer": run.producer.state_dict()} if run.producer is not None else None
     path = run.ckpt.save(step, model=policy.gpt, optimizer=policy.optimizer, state=state,
-                         before_commit=kill)
+                         before_commit=kill, rank_state=mine)
     if step == 0 and policy.ref_model is not None:
         save_weights(policy.ref_model, os.path.join(run.job.run_dir, "reference"), run.job.model)
     return path
@@ -53,6 +54,9 @@ def resume(run: Run) -> bool:
     policy.guard.load_state_dict(state["guard"])
     policy.updates, run.step = int(state["updates"]), int(state["step"])
     run.history = dict(state.get("history", {}))
+    if run.producer is not None:  # the groups it admitted, generated in part or whole
+        mine = run.ckpt.load_rank_state(path)
+        run.producer.load_state_dict(mine["producer"] if mine else run.producer.fresh(run.step))
     if policy.ref_model is not None:
         load_weights(policy.ref_model, os.path.join(run.job.run_dir, "reference"))
     run.logger.truncate_after(run.step)

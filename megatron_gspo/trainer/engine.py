@@ -20,6 +20,8 @@ from megatron_gspo.rollout.sglang.engine import SGLangEngine
 from megatron_gspo.rollout.sglang.layout import ServerLayout
 from megatron_gspo.rollout.sglang.weight_sync import (destroy_weights_update_group,
                                                       init_weights_update_group)
+from megatron_gspo.rollout.types import RolloutError
+from megatron_gspo.trainer.asynchronous import overlap_metrics
 from megatron_gspo.trainer.run import Engine, Run
 from moe.replay import RoutingReplay
 
@@ -94,31 +96,61 @@ def sync_address(job: JobConfig) -> str:
         return s.getsockname()[0]
 
 
-def sync_weights(run: Run) -> None:
-    """Push the updated weights to the rollout engine (the local engine shares them)."""
-    job, ctx, engine = run.job, run.ctx, run.engine
+def sync_weights(run: Run, version: int) -> dict:
+    """Push the updated weights, labelled policy ``version``, to the rollout engine (the local
+    engine shares them). With asynchronous rollouts the producer's round ends first (SGLang's
+    protocol: pause, update, continue; every server then reports ``version``); returns the
+    overlap metrics of the step."""
+    job, ctx, engine, producer = run.job, run.ctx, run.engine, run.producer
+    metrics = (overlap_metrics(producer, run.trained_from, time.monotonic())
+               if producer is not None and run.trained_from else {})
+    if job.rollout.mode != "sync":
+        _on_every_rank(ctx, producer.quiesce if producer is not None else None)
     if job.rollout.engine == "local":
         engine.update_weights(None)
-        return
-    r = job.rollout
-    if r.weight_sync == "distributed" and run.sync_group is None and ctx.rank == 0:
-        # SGLang's servers join rank 0 of the trainer in one group for the broadcasts (NCCL on
-        # GPUs; gloo on CPU, where only the test stand-in serves).
-        run.sync_group = init_weights_update_group(
-            engine, master_address=sync_address(job), master_port=r.weight_sync_port,
-            engine_gpus=[r.sglang_gpus_per_server] * len(engine.clients),
-            backend="nccl" if ctx.device.type == "cuda" else "gloo",
-            timeout_s=r.sglang_update_timeout_s)
-    stats = engine.sync_from_model(
-        run.policy.gpt, job.model, ctx, mode=r.weight_sync,
-        disk_dir=os.path.join(job.run_dir, "weight_sync"), group=run.sync_group,
-        bucket_bytes=int(r.weight_sync_bucket_mb * 2**20))
-    if stats is not None:
-        run.logger.say(stats.describe())
+    else:
+        r = job.rollout
+        if r.weight_sync == "distributed" and run.sync_group is None and ctx.rank == 0:
+            # SGLang's servers join rank 0 of the trainer in one group for the broadcasts (NCCL
+            # on GPUs; gloo on CPU, where only the test stand-in serves).
+            run.sync_group = init_weights_update_group(
+                engine, master_address=sync_address(job), master_port=r.weight_sync_port,
+                engine_gpus=[r.sglang_gpus_per_server] * len(engine.clients),
+                backend="nccl" if ctx.device.type == "cuda" else "gloo",
+                timeout_s=r.sglang_update_timeout_s)
+        stats = engine.sync_from_model(
+            run.policy.gpt, job.model, ctx, mode=r.weight_sync,
+            disk_dir=os.path.join(job.run_dir, "weight_sync"), group=run.sync_group,
+            bucket_bytes=int(r.weight_sync_bucket_mb * 2**20), version=version)
+        if stats is not None:
+            run.logger.say(stats.describe())
+        if r.mode != "sync":
+            _on_every_rank(ctx, (lambda: engine.check_version(version))
+                           if ctx.is_replica_leader else None)
+    if producer is not None:
+        producer.set_version(version)
+    return metrics
+
+
+def _on_every_rank(ctx: ParallelContext, call: Optional[Callable[[], None]]) -> None:
+    """``call`` where given (a replica leader's part of a sync); its failure ends the sync on
+    every rank, so that none waits in a collective the failed one never joins."""
+    error = None
+    if call is not None:
+        try:
+            call()
+        except RolloutError as e:
+            error = e
+    if comm.any_rank(error is not None, device=ctx.device):
+        raise error if error is not None else RolloutError(
+            "a replica leader's rollout failed at the weight sync (its error is in its log)")
 
 
 def close_engine(run: Run) -> None:
-    """The weight-update group left on both sides (a later run in this process builds its own)."""
+    """The producer stopped, the weight-update group left on both sides (a later run in this
+    process builds its own)."""
+    if run.producer is not None:
+        run.producer.close()
     if run.sync_group is not None:
         destroy_weights_update_group(run.engine, run.sync_group)
         run.sync_group = None

@@ -9,6 +9,8 @@ Exit codes of ``python -m megatron_gspo`` (the SLURM scripts in ``launch/`` read
   torchrun report a worker's failure with their own exit code;
 - ``2``  bad configuration (nothing ran);
 - ``3``  too many consecutive non-finite updates (the last good checkpoint is intact);
+- ``4``  the rollout failed for good (a server that stopped answering or refused an update, a
+  timeout): the last checkpoint is intact, rerun to resume;
 - anything else: a crash.
 """
 
@@ -25,6 +27,7 @@ from megatron_gspo.distributed import comm
 REQUEUE_EXIT_CODE = 75
 CONFIG_EXIT_CODE = 2
 NONFINITE_EXIT_CODE = 3
+ROLLOUT_EXIT_CODE = 4
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 REQUEUE_MARKER = "REQUEUE"
 

@@ -33,7 +33,7 @@ def train(job: JobConfig) -> dict:
     run = setup(job)
     try:
         if resume(run):
-            sync_weights(run)  # the engine starts from the trainer's weights
+            sync_weights(run, run.step)  # the engine starts from the trainer's weights
         else:
             warm_up(run)  # held-out accuracy before, SFT, accuracy after SFT, checkpoint 0
         for step in range(run.step + 1, job.trainer.steps + 1):
@@ -77,8 +77,8 @@ def rl_step(run: Run, step: int) -> dict:
         correction = correct_for_the_engine(run.job.algo, run.ctx, batch)
         results, drift = update(run, batch, plan, routes)
     with timers("weight_sync"):
-        sync_weights(run)
+        overlap = sync_weights(run, step)
     run.step = step
     return step_metrics(run.ctx, run.policy, batch, samples, minibatch_layouts(run.job, batch),
-                        results, {**drift, **correction, **sampling, **overlong}, timers,
-                        time.perf_counter() - t0)
+                        results, {**drift, **correction, **sampling, **overlong, **overlap},
+                        timers, time.perf_counter() - t0)

@@ -47,6 +47,11 @@ TAGS: tuple[tuple[str, str], ...] = (
     ("rollout/overlong_masked", "rollout.overlong=mask: the fraction of responses masked for "
                                 "being cut"),
     ("rollout/overlong_penalty", "rollout.overlong=soft_penalty: the mean penalty"),
+    ("rollout/staleness/{k}", "rollout.mode one_step_off / async: the fraction of the batch's "
+                              "responses whose oldest token is k policy versions older than "
+                              "the policy the step trains (k up to the staleness bound)"),
+    ("rollout/staleness_mean", "rollout.mode one_step_off / async: the mean of that lag"),
+    ("rollout/staleness_max", "rollout.mode one_step_off / async: its largest value"),
     # evaluation and the warm-up
     ("eval/accuracy", "held-out accuracy (greedy), at trainer.eval_interval and at the end"),
     ("sft/loss", "the supervised warm-up's loss"),
@@ -57,6 +62,11 @@ TAGS: tuple[tuple[str, str], ...] = (
     ("perf/model_tokens", "tokens one pass over the batch feeds (prompt and response but the "
                           "last token, no padding, a shared prompt once): update FLOPs = 6 x "
                           "active parameters x this"),
+    ("perf/overlap_fraction", "asynchronous rollouts: the fraction of the trainer's time from "
+                              "taking its batch to the weight sync during which the producer "
+                              "generated (replica 0's leader; 0 with the local engine)"),
+    ("perf/producer_idle_s", "asynchronous rollouts: the seconds of that time the producer "
+                             "waited"),
     ("perf/time/{phase}_s", "wall time of a phase (checkpoint: TensorBoard only, the step's "
                             "row is written before its checkpoint)"),
     # expert drift (logging.drift; moe.instrument)

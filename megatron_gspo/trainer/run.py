@@ -21,6 +21,7 @@ from megatron_gspo.data.tokenizer import Tokenizer
 from megatron_gspo.distributed.parallel import ParallelContext
 from megatron_gspo.rewards.pool import InlineScorer, RewardPool
 from megatron_gspo.rollout.local_engine import LocalEngine
+from megatron_gspo.rollout.producer import Producer
 from megatron_gspo.rollout.sglang.engine import SGLangEngine
 from megatron_gspo.trainer.drift_probe import DriftProbe
 from megatron_gspo.trainer.faults import NonFiniteGuard, StopSignals
@@ -84,5 +85,7 @@ class Run:
     signals: StopSignals
     drift: Optional[DriftProbe] = None
     sync_group: Optional[torch.distributed.ProcessGroup] = None  # weight_sync=distributed
+    producer: Optional[Producer] = None  # rollout.mode one_step_off / async
+    trained_from: float = 0.0  # when the trainer took the step's batch (async: overlap)
     step: int = 0  # RL steps done
     history: dict = field(default_factory=dict)

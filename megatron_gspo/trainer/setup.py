@@ -18,6 +18,7 @@ from megatron_gspo.models import router_losses
 from megatron_gspo.models.model import build_model
 from megatron_gspo.rewards import get_reward
 from megatron_gspo.rewards.pool import make_scorer
+from megatron_gspo.trainer.asynchronous import make_producer
 from megatron_gspo.trainer.drift_probe import DriftProbe
 from megatron_gspo.trainer.engine import connect_servers, make_engine
 from megatron_gspo.trainer.faults import NonFiniteGuard, StopSignals
@@ -46,7 +47,8 @@ def setup(job: JobConfig) -> Run:
     ckpt = CheckpointManager(os.path.join(run_dir, "checkpoints"), ctx,
                              keep=job.trainer.keep_checkpoints, fmt=job.trainer.checkpoint_format)
     run = Run(job=job, ctx=ctx, policy=policy, prompts=prompts, engine=engine, logger=logger,
-              ckpt=ckpt, signals=StopSignals().install())
+              ckpt=ckpt, signals=StopSignals().install(),
+              producer=make_producer(job, ctx, engine, prompts))
     if routes_needed and job.logging.drift:
         run.drift = DriftProbe(job, ctx, run_dir, logger.writer, model=policy.ddp,
                                replay=policy.replay, pad_id=prompts.tokenizer.pad_id)

@@ -30,13 +30,13 @@ def warm_up(run: Run) -> None:
     run.logger.truncate_after(-1)  # a fresh run: no rows of an earlier attempt in this directory
     if init_weights(policy.gpt, job, run.ctx, t.init_from):
         run.logger.say(f"initial weights: {t.init_from}")
-    sync_weights(run)  # every evaluation and rollout sees the trainer's weights
+    sync_weights(run, 0)  # every evaluation and rollout sees the trainer's weights
     run.history["accuracy_initial"] = evaluate(run)
     run.logger.say(f"held-out accuracy before training: {run.history['accuracy_initial']:.3f} "
                    f"({len(run.prompts.held_out)} prompts)")
     if t.sft_steps:
         sft(run)
-        sync_weights(run)
+        sync_weights(run, 0)
     run.history["accuracy_before_rl"] = evaluate(run)
     run.logger.say(f"held-out accuracy before RL: {run.history['accuracy_before_rl']:.3f}")
     run.logger.log(0, {"eval/accuracy": run.history["accuracy_before_rl"]})

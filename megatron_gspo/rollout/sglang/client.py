@@ -14,10 +14,10 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from megatron_gspo.rollout.types import Sample, SamplingParams
+from megatron_gspo.rollout.types import RolloutError, Sample, SamplingParams
 
 
-class SGLangError(RuntimeError):
+class SGLangError(RolloutError):
     """A request to an SGLang server failed for good; the message says which and why."""
 
 
@@ -131,15 +131,19 @@ class SGLangClient:
                  return_routed_experts: bool = False) -> list:
         """One batched ``/generate`` request: one result per row of ``input_ids``; ``seeds`` (one
         per row) become each row's ``sampling_seed``."""
-        sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
-                    "top_p": params.top_p, "top_k": params.top_k,
-                    "stop_token_ids": list(params.stop_token_ids)}
+        sampling = sampling_of(params)
         if seeds is not None:
             if len(seeds) != len(input_ids):
                 raise ValueError(f"{len(seeds)} seeds for {len(input_ids)} rows")
             sampling = [dict(sampling, sampling_seed=int(seed)) for seed in seeds]
         elif params.seed is not None:
             sampling["sampling_seed"] = params.seed
+        return self.generate_rows(input_ids, sampling, return_routed_experts=return_routed_experts)
+
+    def generate_rows(self, input_ids: Sequence[Sequence[int]], sampling, *,
+                      return_routed_experts: bool = False) -> list:
+        """One batched ``/generate`` request with ``sampling`` params for all rows (a dict) or
+        per row (a list of dicts)."""
         payload = {"input_ids": [list(x) for x in input_ids], "sampling_params": sampling,
                    "return_logprob": True, "logprob_start_len": -1}
         if return_routed_experts:
@@ -151,11 +155,31 @@ class SGLangClient:
                               f"results, got {got}")
         return reply
 
+    def weight_version(self) -> str:
+        """The server's weight version: ``/get_weight_version`` where it exists (stock 0.5.15
+        answers 404 there), else ``/model_info``'s."""
+        try:
+            reply = self.request("GET", "/get_weight_version")
+        except SGLangError as e:
+            if "HTTP 404" not in str(e):
+                raise
+            reply = self.request("GET", "/model_info")
+        if not isinstance(reply, dict) or "weight_version" not in reply:
+            raise SGLangError(f"{self.url}: the reply names no weight_version")
+        return str(reply["weight_version"])
+
     def post(self, path: str, payload: Optional[dict] = None) -> dict:
         reply = self.request("POST", path, payload or {})
         if isinstance(reply, dict) and reply.get("success") is False:
             raise SGLangError(f"POST {self.url}{path}: {reply.get('message', 'failed')}")
         return reply
+
+
+def sampling_of(params: SamplingParams) -> dict:
+    """SGLang's sampling params of ``params`` (the seed aside)."""
+    return {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
+            "top_p": params.top_p, "top_k": params.top_k,
+            "stop_token_ids": list(params.stop_token_ids)}
 
 
 def decode_routes(blob: str, rows: int, num_layers: int, top_k: int,
@@ -168,8 +192,11 @@ def decode_routes(blob: str, rows: int, num_layers: int, top_k: int,
     return torch.from_numpy(flat.reshape(rows, num_layers, top_k)[:, list(moe_layers)].copy()).long()
 
 
-def parse_result(item: dict, prompt: Sequence[int], *, routes_shape=None) -> Sample:
-    """One /generate result -> Sample (tokens, log-probs, finish reason, routes)."""
+def parse_result(item: dict, prompt: Sequence[int], *, routes_shape=None,
+                 aborted_ok: bool = False) -> Sample:
+    """One /generate result -> Sample (tokens, log-probs, finish reason, routes; the server's
+    ``weight_version`` in ``meta``). An aborted request (finish reason ``abort``: the server
+    was paused) is an error unless ``aborted_ok`` (a partial rollout keeps its tokens)."""
     try:
         meta = item["meta_info"]
         output_ids = list(item["output_ids"])
@@ -180,10 +207,10 @@ def parse_result(item: dict, prompt: Sequence[int], *, routes_shape=None) -> Sam
     if len(logprobs) != len(output_ids):
         raise SGLangError(f"/generate result has {len(output_ids)} tokens but {len(logprobs)} "
                           "log-probs")
-    if reason == "abort":
+    if reason == "abort" and not aborted_ok:
         raise SGLangError(f"/generate aborted: {meta['finish_reason'].get('message', '')}")
     routes = None
-    if routes_shape is not None:
+    if routes_shape is not None and len(prompt) + len(output_ids) > 1:
         blob = meta.get("routed_experts")
         if blob is None:
             raise SGLangError("/generate returned no routed_experts: start the server with "
@@ -193,4 +220,5 @@ def parse_result(item: dict, prompt: Sequence[int], *, routes_shape=None) -> Sam
         routes = decode_routes(blob, len(prompt) + len(output_ids) - 1, num_layers, top_k,
                                moe_layers)
     return Sample(prompt_ids=list(prompt), response_ids=output_ids,
-                  logprobs_R=torch.tensor(logprobs), finish_reason=reason, routes_TLK=routes)
+                  logprobs_R=torch.tensor(logprobs, dtype=torch.float32), finish_reason=reason,
+                  routes_TLK=routes, meta={"weight_version": str(meta.get("weight_version", ""))})

@@ -22,11 +22,11 @@ from typing import Optional, Sequence
 
 from megatron_gspo.distributed import comm
 from megatron_gspo.rollout.sglang.client import (RetryPolicy, SGLangClient, SGLangError,
-                                                 parse_result)
+                                                 parse_result, sampling_of)
 from megatron_gspo.rollout.sglang.facade import serialize_named_tensors
 from megatron_gspo.rollout.sglang.layout import ServerLayout, param_of
 from megatron_gspo.rollout.sglang.weight_sync import SyncStats, count_sent
-from megatron_gspo.rollout.types import Sample, SamplingParams, row_seed
+from megatron_gspo.rollout.types import RowRequest, Sample, SamplingParams, row_seed
 
 
 class SGLangEngine:
@@ -95,20 +95,36 @@ class SGLangEngine:
         server in deterministic-inference mode repeats them."""
         params.validate()
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(samples_per_prompt)]
-        seeds = (None if params.seed is None
-                 else [row_seed(params.seed, first_row + r) for r in range(len(rows))])
+        requests = [RowRequest(prompt, params.max_new_tokens,
+                               None if params.seed is None else row_seed(params.seed, first_row + r))
+                    for r, (_, prompt) in enumerate(rows)]
+        out = self.generate_rows(requests, params)
+        for (index, _), sample in zip(rows, out):
+            sample.prompt_index = index
+        return out
+
+    def generate_rows(self, requests: Sequence[RowRequest], params: SamplingParams, *,
+                      aborted_ok: bool = False) -> list[Sample]:
+        """One result per ``RowRequest`` (its own input, new-token limit and seed; the rest of
+        ``params`` for all), in order. The rows go out as batched requests of
+        ``rows_per_request``, ``max_in_flight`` at a time, to the router or round-robin over the
+        servers. ``aborted_ok``: a row the servers aborted (a pause) returns the tokens it has,
+        finish reason ``abort``, instead of failing the call."""
+        base = sampling_of(params)
+        sampling = [dict(base, max_new_tokens=int(r.max_new_tokens),
+                         **({} if r.seed is None else {"sampling_seed": int(r.seed)}))
+                    for r in requests]
         size = self.rows_per_request
-        chunks = [range(a, min(a + size, len(rows))) for a in range(0, len(rows), size)]
-        want_routes = self.routes_shape is not None
+        chunks = [range(a, min(a + size, len(requests))) for a in range(0, len(requests), size)]
         servers = [(self._next_server + j) % len(self.clients) for j in range(len(chunks))]
         self._next_server = (self._next_server + len(chunks)) % len(self.clients)
 
         def request(j: int) -> list:
             client = self.router or self.clients[servers[j]]
             part = chunks[j]
-            return client.generate([rows[r][1] for r in part], params,
-                                   seeds=None if seeds is None else [seeds[r] for r in part],
-                                   return_routed_experts=want_routes)
+            return client.generate_rows([requests[r].input_ids for r in part],
+                                        [sampling[r] for r in part],
+                                        return_routed_experts=self.routes_shape is not None)
 
         if len(chunks) <= 1 or self.max_in_flight == 1:
             replies = [request(j) for j in range(len(chunks))]
@@ -116,14 +132,33 @@ class SGLangEngine:
             with ThreadPoolExecutor(max_workers=min(self.max_in_flight, len(chunks))) as pool:
                 futures = [pool.submit(request, j) for j in range(len(chunks))]
                 replies = [f.result() for f in futures]  # the first failure, after all finished
-        out = []
-        for part, reply in zip(chunks, replies):
-            for r, item in zip(part, reply):
-                index, prompt = rows[r]
-                sample = parse_result(item, prompt, routes_shape=self.routes_shape)
-                sample.prompt_index = index
-                out.append(sample)
-        return out
+        return [parse_result(item, requests[r].input_ids, routes_shape=self.routes_shape,
+                             aborted_ok=aborted_ok)
+                for part, reply in zip(chunks, replies) for r, item in zip(part, reply)]
+
+    # -- pausing and versions --------------------------------------------------------------------
+    def pause(self, mode: str = "abort") -> None:
+        """Every server stops generating: ``abort`` ends the requests in flight, which return
+        the tokens they have (finish reason ``abort``); new requests wait until ``resume``."""
+        self._each("/pause_generation", {"mode": mode})
+
+    def resume(self) -> None:
+        self._each("/continue_generation", {})
+
+    def abort_all(self) -> None:
+        """Every request in flight on every server ends now and returns the tokens it has
+        (finish reason ``abort``); later requests are served as usual (SGLang answers an empty
+        200)."""
+        for c in self.clients:
+            c.request("POST", "/abort_request", {"abort_all": True}, expect_json=False)
+
+    def check_version(self, version) -> None:
+        """Every server reports weight version ``version`` (after an update)."""
+        for c in self.clients:
+            got = c.weight_version()
+            if got != str(version):
+                raise SGLangError(f"{c.url}: weight version {got!r} after the update to "
+                                  f"{version!r}")
 
     # -- weights ----------------------------------------------------------------------------------
     def _each(self, path: str, payload: Optional[dict] = None) -> None:
@@ -138,17 +173,18 @@ class SGLangEngine:
     def _paused(self):
         """Generation paused on every server for a weight update; the cache is flushed after it
         and generation continues whatever happens."""
-        self._each("/pause_generation", {})
+        self.pause("abort")
         try:
             yield
             self._flush()
         finally:
             self._each("/continue_generation", {})
 
-    def update_weights_from_disk(self, hf_dir: str) -> None:
-        """Servers reload HF weights from ``hf_dir`` (a path they can read)."""
-        self.weight_version += 1
-        self._each("/pause_generation", {})
+    def update_weights_from_disk(self, hf_dir: str, version=None) -> None:
+        """Servers reload HF weights from ``hf_dir`` (a path they can read), labelled
+        ``version`` (default: the next)."""
+        self.weight_version = self.weight_version + 1 if version is None else version
+        self.pause("abort")
         try:
             self._each("/update_weights_from_disk",
                        {"model_path": hf_dir, "weight_version": str(self.weight_version),
@@ -232,7 +268,7 @@ class SGLangEngine:
 
     def sync_from_model(self, gpt, model_cfg, ctx, *, mode: str = "disk",
                         disk_dir: Optional[str] = None, group=None,
-                        bucket_bytes: int = 512 << 20) -> Optional[SyncStats]:
+                        bucket_bytes: int = 512 << 20, version=None) -> Optional[SyncStats]:
         """Push the trainer's weights; every rank calls. The model goes out under HF names one
         bucket of about ``bucket_bytes`` at a time (``hf_qwen3moe.iter_hf_buckets``: shards
         come to rank 0 straight from their device), sent ``mode="distributed"`` (broadcast over
@@ -241,8 +277,9 @@ class SGLangEngine:
         able to read; for debugging). With a ``direct`` layout a bucket holds at least one whole
         SGLang parameter (a layer's q/k/v, or its experts' gate and up weights), so where one is
         larger than ``bucket_bytes`` (a Qwen3-30B-A3B layer's experts: 805 MB in bf16) the extra
-        memory is about twice that parameter instead of two buckets. Rank 0 returns what was
-        sent, the others None."""
+        memory is about twice that parameter instead of two buckets. ``version`` labels the
+        weights (``weight_version``; default: the next). Rank 0 returns what was sent, the
+        others None."""
         from megatron_gspo.models.hf_io import ShardWriter
         from megatron_gspo.models.hf_config import hf_config_from_model
         from megatron_gspo.models.hf_mapping import iter_hf_buckets
@@ -262,8 +299,8 @@ class SGLangEngine:
             send = (functools.partial(self._distributed_bucket, group=group)
                     if mode == "distributed" else self._tensor_bucket)
             if leader:
-                self.weight_version += 1
-                self._each("/pause_generation", {})
+                self.weight_version = self.weight_version + 1 if version is None else version
+                self.pause("abort")
         # Every rank drives the buckets to the end (they are collectives), even after the
         # leader failed to send one; the failure is raised on every rank afterwards.
         error = None
@@ -278,7 +315,7 @@ class SGLangEngine:
             if leader and error is None:
                 if mode == "disk":
                     writer.close(hf_config_from_model(model_cfg))
-                    self.update_weights_from_disk(disk_dir)
+                    self.update_weights_from_disk(disk_dir, version)
                 else:
                     self._flush()
         except Exception as e:

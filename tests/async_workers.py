@@ -20,7 +20,8 @@ def free_port() -> int:
 def async_job(hf_dir: str, url: str, run_dir: str, **over) -> dict:
     """The tiny job against the stand-in at ``url``: asynchronous rollouts (eta 1), distributed
     weight sync, the decoupled correction with a band wide enough that the stand-in's known
-    log-probs (unrelated to the policy's) still weigh every sequence."""
+    log-probs (unrelated to the policy's) still weigh every sequence, a reward by response
+    length (the stand-in's long responses make the advantages)."""
     base = merge(SGLANG_JOB, {
         "rollout": {"sglang_urls": [url], "sglang_model_path": hf_dir, "mode": "async",
                     "max_staleness": 1, "weight_sync": "distributed",
@@ -29,7 +30,9 @@ def async_job(hf_dir: str, url: str, run_dir: str, **over) -> dict:
         "algo": {"rollout_correction": "decoupled", "rollout_correction_low": 1e-6,
                  "rollout_correction_high": 1e6, "rollout_correction_cap": 1e6},
         "trainer": {"init_from": hf_dir, "steps": 3, "save_interval": 1, "keep_checkpoints": 5},
-        "data": {"eval_size": 0}, "logging": {"drift": False, "progress": False}})
+        # rewards by length: the stand-in's responses of differing lengths give advantages
+        "data": {"eval_size": 0, "reward": "tests.reward_fixtures:length_reward"},
+        "logging": {"drift": False, "progress": False}})
     cfg = merge(base, over)
     cfg["rollout"] = {**base["rollout"], **over.get("rollout", {})}
     cfg["run_dir"] = run_dir

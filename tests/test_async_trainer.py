@@ -38,7 +38,7 @@ def server(tiny_hf_checkpoint):
 
 
 def test_eta_zero_trains_on_the_synchronous_batches(server, tiny_hf_checkpoint, tmp_path):
-    url = server(base_tokens=5, token_latency_s=0.002)
+    url = server(base_tokens=5, tail_every=3, tail_factor=2, token_latency_s=0.002)
     hf = tiny_hf_checkpoint
     sync, eta0 = run_ranks(async_jobs, 1, [
         async_job(hf, url, str(tmp_path / "sync"), rollout={"mode": "sync"}),
@@ -66,6 +66,7 @@ def test_partial_rollouts_reproduce_across_timing_and_a_kill(server, tiny_hf_che
                                      async_job(hf, slow, str(tmp_path / "b"), **over)])[0]
     assert [s["hash"] for s in a["steps"]] == [s["hash"] for s in b["steps"]]
     assert a["params"] == b["params"]
+    assert all(r["train/grad_norm"] > 0 for r in a["rows"] if "train/grad_norm" in r)
     versions = [max(s["staleness"]) for s in a["steps"]]
     assert versions[1:] == [1, 1]  # admitted a version ahead, as eta 1 allows
     # killed while writing checkpoint 2, resumed from checkpoint 1
@@ -89,7 +90,8 @@ def test_async_layouts_keep_the_bound_and_the_protocol(server, tiny_hf_checkpoin
     replica leaders, each its own producer and server): every sample within eta, every rank of
     a replica on the same batch, and each server's log pause -> update(k) -> continue."""
     hf = tiny_hf_checkpoint
-    urls = [server(base_tokens=5, token_latency_s=0.005) for _ in range(2 if not layout else 1)]
+    urls = [server(base_tokens=5, tail_every=3, tail_factor=2, token_latency_s=0.005)
+            for _ in range(2 if not layout else 1)]
     cfg = async_job(hf, urls[0], str(tmp_path / "run"), parallel=layout,
                     rollout={"partial": True, "partial_segment_tokens": 2})
     cfg["rollout"]["sglang_urls"] = urls

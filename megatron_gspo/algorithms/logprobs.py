@@ -63,9 +63,13 @@ def _chunk_backward(x_CV, target_C, lse_C, grad_logp_C, ent_C, grad_ent_C, vocab
         g_CV.sub_(p_CV.mul_(grad_logp_C[:, None]))
     else:
         g_CV = logq_CV.exp_().mul_(-grad_logp_C[:, None])
+    # + grad at each row's target in this shard (rows whose target is in another shard add 0 at
+    # a clamped column: the same values, without a data-dependent row list, which would make a
+    # GPU wait for the host)
     local_C = target_C - vocab_start
-    rows = torch.nonzero((local_C >= 0) & (local_C < x_CV.shape[1]))[:, 0]
-    g_CV[rows, local_C[rows]] += grad_logp_C[rows]
+    in_shard_C = (local_C >= 0) & (local_C < x_CV.shape[1])
+    g_CV.scatter_add_(1, local_C.clamp(0, x_CV.shape[1] - 1)[:, None],
+                      torch.where(in_shard_C, grad_logp_C, 0.0).to(g_CV.dtype)[:, None])
     return g_CV.div_(temperature)
 
 

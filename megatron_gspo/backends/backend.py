@@ -16,7 +16,10 @@ class Backend:
     ``decode_step(...)``), or None for the model's own forward; ``checkpoint_format``: the
     optimizer moments' format of ``trainer.checkpoint_format=auto``; ``exact_engine``: the
     in-process engine's log-probs in fp32 are the trainer's pass's to float rounding (so
-    ``algo.old_logprobs=auto`` takes them); ``layers``: what runs, for the layout line."""
+    ``algo.old_logprobs=auto`` takes them); ``layers``: what runs, for the layout line;
+    ``static_decode``: the local engine decodes through ``rollout.static_decode`` (no host
+    synchronisation per step) where it applies; ``sort_dispatch``: MoE layers whose experts are
+    all local take ``models.dispatch.SortTokenDispatcher`` (no host synchronisation)."""
 
     name: str
     norm: type
@@ -30,3 +33,5 @@ class Backend:
     exact_engine: bool
     layers: Callable[[], str]
     decoder: Optional[object] = None
+    static_decode: bool = False
+    sort_dispatch: bool = False

@@ -25,4 +25,5 @@ def _layers() -> str:
 # clip range): the behaviour log-probs are recomputed by the trainer's pass.
 GPU = Backend(name="gpu", norm=RMSNorm, attention=SDPAttention, experts=GroupedSequentialMLP,
               token_dispatcher="alltoall", init_on_cpu=False, activate=lambda: [], seed=_seed,
-              checkpoint_format="dp_reshardable", exact_engine=False, layers=_layers)
+              checkpoint_format="dp_reshardable", exact_engine=False, layers=_layers,
+              static_decode=True, sort_dispatch=True)

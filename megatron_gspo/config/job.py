@@ -58,6 +58,10 @@ class JobConfig:
                           "trainer's old-policy log-probs against the engine's, and "
                           "algo.old_logprobs=engine takes the engine's for both (every weight 1)",
                           "use algo.old_logprobs=recompute or auto with rollout correction")
+        if self.rollout.cuda_graphs and self.parallel.device != "cuda":
+            raise invalid("rollout.cuda_graphs", True, "captures CUDA graphs of the GPU decoding "
+                          f"step, and parallel.device={self.parallel.device}",
+                          "set parallel.device=cuda (a GPU recipe) or rollout.cuda_graphs=false")
         if self.rollout.mode != "sync" and self.algo.rollout_correction == "none":
             raise invalid("rollout.mode", self.rollout.mode, "trains on samples of older policies, "
                           "which need an off-policy correction",

@@ -80,6 +80,12 @@ class RolloutConfig:
     # segments, a sync aborts the requests in flight (their tokens kept; more overlap, versions
     # depend on timing)
     partial_segment_tokens: int = 64
+    # The in-process engine on a GPU decodes without host synchronisations
+    # (rollout/static_decode.py): it reads the rows' finished flags every this many steps.
+    decode_readback_steps: int = 8
+    compile_decode: bool = False  # the GPU decoding step under torch.compile (one graph)
+    # the GPU decoding step captured as a CUDA graph per batch bucket and replayed
+    cuda_graphs: bool = False
     # How the servers pause for a weight sync: abort (requests in flight end and return their
     # tokens). retract and in_place are refused: both carry a request across the update under
     # one version label, and in_place keeps the KV cache of the old weights.
@@ -142,11 +148,17 @@ class RolloutConfig:
             raise invalid("rollout.tensor_sync_format", self.tensor_sync_format, "is unknown",
                           "use direct or hf")
         self.validate_async()
+        self.validate_decode()
         if self.sglang_gpus_per_server % self.sglang_ep_per_server:
             raise invalid("rollout.sglang_ep_per_server", self.sglang_ep_per_server,
                           f"does not divide sglang_gpus_per_server={self.sglang_gpus_per_server}",
                           "SGLang's --ep-size divides its --tp-size")
         return self
+
+    def validate_decode(self) -> None:
+        if self.decode_readback_steps < 1:
+            raise invalid("rollout.decode_readback_steps", self.decode_readback_steps,
+                          "must be >= 1", "e.g. 8")
 
     def validate_async(self) -> None:
         if self.mode not in ("sync", "one_step_off", "async"):

@@ -17,6 +17,7 @@ from megatron_gspo.backends import Backend, backend_for
 from megatron_gspo.config import BackendConfig, ModelConfig
 from megatron_gspo.distributed.parallel import ParallelContext
 from megatron_gspo.models import rope, router_losses, te
+from megatron_gspo.models.dispatch import use_sort_dispatch
 from megatron_gspo.models.layers import RotatedCacheSelfAttention
 
 
@@ -153,6 +154,8 @@ def build_model(model: ModelConfig, ctx: ParallelContext, *,
     for m in gpt.modules():
         if isinstance(m, backend.experts) and hasattr(m, "cpu_kernel"):
             m.cpu_kernel = kernels.cpu_experts_kernel
+    if backend.sort_dispatch:
+        use_sort_dispatch(gpt, ctx)
     return gpt.to(ctx.device)
 
 

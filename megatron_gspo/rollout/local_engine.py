@@ -26,6 +26,8 @@ from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
 from megatron_gspo.backends import backend_for
+from megatron_gspo.rollout.static_decode import StaticGenerator
+from megatron_gspo.rollout.static_decode import unsupported as static_unsupported
 from megatron_gspo.distributed import comm
 from megatron_gspo.distributed.parallel import ParallelContext
 from megatron_gspo.models.grouped_experts import cached_expert_weights
@@ -53,12 +55,15 @@ class LocalEngine:
     runs_on_every_rank = True  # every rank of a replica holds its part of the model
 
     def __init__(self, gpt, ctx: ParallelContext, *, replay=None, pad_id: int = 0,
-                 lockstep_group=None):
+                 lockstep_group=None, static: Optional[StaticGenerator] = None):
         """``lockstep_group``: ranks that generate different prompts but share collectives inside
         the model (expert parallelism across data-parallel ranks): they pad to one prompt length
-        and decode until every one of them has finished."""
+        and decode until every one of them has finished. ``static``: generate through it (no
+        host synchronisation per decoding step) where it covers the model."""
         self.gpt, self.ctx, self.replay, self.pad_id = gpt, ctx, replay, pad_id
         self.lockstep = lockstep_group
+        self.static = (static if static is not None and lockstep_group is None
+                       and static_unsupported(gpt, ctx) is None else None)
         # The prefill and the decoding steps through ``decode_step`` where it mirrors the model
         # (a whole model on one CPU rank), else through the model's forward.
         self.decoder = backend_for(ctx.device).decoder
@@ -124,6 +129,9 @@ class LocalEngine:
         params.validate()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        if self.static is not None:
+            return self.static.generate(prompts, samples_per_prompt, params, first_row=first_row,
+                                        row_seeds=row_seeds, routes=self.replay is not None)
         g = self._start(prompts, samples_per_prompt, params, first_row, row_seeds)
         with self._generation_mode() as recorded:
             self._prefill(g, recorded)

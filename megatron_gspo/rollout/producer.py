@@ -25,7 +25,11 @@ Each row records, per token, its id, the behaviour log-prob, the version that sa
 (for R3) the routed experts of the position that sampled it, spliced segment by segment.
 
 The producer runs in a thread on a replica's leader (SGLang), or inline on every rank (the local
-engine, which shares the trainer's device: no overlap, only the schedule).
+engine, which shares the trainer's device: no overlap, only the schedule). Its thread speaks
+HTTP only and never joins a collective: the trainer's thread alone runs the training collectives
+and the weight sync, and ``quiesce`` (the round over, under the producer's one lock) orders every
+sync after the round it follows. Every wait has a deadline (``wait_s``; each request its own
+timeout); a producer that fails hands its error to the trainer, which ends the run with one line.
 """
 
 from __future__ import annotations

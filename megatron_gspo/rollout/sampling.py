@@ -26,14 +26,19 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def row_uniform(row_seeds: torch.Tensor, step: int) -> torch.Tensor:
+def row_uniform(row_seeds: torch.Tensor, step) -> torch.Tensor:
     """[B] uniform numbers in (0, 1) with 53 random bits (float64), a pure function of each row's
     seed and the decoding step (a counter-based hash, for the whole batch at once on the seeds'
     device): a row samples the same tokens whichever rank, batch or position in the batch
-    generates it."""
+    generates it. ``step``: an int, or an int64 tensor on the seeds' device (a decoding loop that
+    keeps its counter there)."""
     seeds = row_seeds.to(torch.int64)
     key = _mix32((seeds & _MASK32) ^ _mix32(((seeds >> 32) & _MASK32) ^ 0x9E3779B9))
-    key = _mix32(key ^ _mix32(torch.full_like(key, (step * 0x632BE5AB + 1) & _MASK32)))
+    if isinstance(step, torch.Tensor):
+        counter = ((step.to(torch.int64) * 0x632BE5AB + 1) & _MASK32).expand_as(key)
+    else:
+        counter = torch.full_like(key, (step * 0x632BE5AB + 1) & _MASK32)
+    key = _mix32(key ^ _mix32(counter))
     high = _mix32(key ^ 0x85EBCA6B) >> 5  # 27 bits
     low = _mix32(key ^ 0xC2B2AE35) >> 6  # 26 bits
     return ((high * 2 ** 26 + low).double() + 0.5) * (1.0 / 2 ** 53)
@@ -51,16 +56,16 @@ def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator=None,
         logq = torch.log_softmax(logits, -1)
         return token, logq.gather(-1, token[:, None])[:, 0]
     logq = torch.log_softmax(logits / params.temperature, -1)
-    truncated = 0 < params.top_k < logq.shape[-1] or params.top_p < 1.0
-    filtered = logq.clone() if truncated else logq
+    filtered = logq
+    # (masks applied with ``where``, not boolean assignment, which waits for the host on GPUs)
     if params.top_k > 0 and params.top_k < filtered.shape[-1]:
         kth = filtered.topk(params.top_k, -1).values[:, -1:]
-        filtered[filtered < kth] = -float("inf")
+        filtered = torch.where(filtered < kth, -float("inf"), filtered)
     if params.top_p < 1.0:
         sorted_lq, order = filtered.sort(-1, descending=True)
         cum = sorted_lq.exp().cumsum(-1)
         drop = cum - sorted_lq.exp() > params.top_p  # keep the smallest prefix reaching top_p
-        sorted_lq[drop] = -float("inf")
+        sorted_lq = torch.where(drop, -float("inf"), sorted_lq)
         filtered = torch.full_like(filtered, -float("inf")).scatter(-1, order, sorted_lq)
     if uniform_B is not None:
         cdf = torch.softmax(filtered.double(), -1).cumsum(-1)

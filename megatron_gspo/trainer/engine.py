@@ -14,7 +14,9 @@ import torch
 from megatron_gspo.config import ConfigError, JobConfig
 from megatron_gspo.distributed import comm
 from megatron_gspo.distributed.parallel import ParallelContext
+from megatron_gspo.backends import backend_for
 from megatron_gspo.rollout.local_engine import LocalEngine
+from megatron_gspo.rollout.static_decode import StaticGenerator
 from megatron_gspo.rollout.sglang.client import RetryPolicy, SGLangError
 from megatron_gspo.rollout.sglang.engine import SGLangEngine
 from megatron_gspo.rollout.sglang.layout import ServerLayout
@@ -35,7 +37,12 @@ def make_engine(job: JobConfig, gpt, ctx: ParallelContext, replay: Optional[Rout
         # Expert parallelism spans data-parallel ranks, which generate different prompts: the
         # whole world decodes in lockstep then.
         lockstep = torch.distributed.group.WORLD if ctx.ep > 1 and ctx.dp > 1 else None
-        return LocalEngine(gpt, ctx, replay=record, pad_id=pad_id, lockstep_group=lockstep)
+        r = job.rollout
+        static = (StaticGenerator(gpt, pad_id=pad_id, readback_steps=r.decode_readback_steps,
+                                  compile=r.compile_decode, cuda_graphs=r.cuda_graphs)
+                  if backend_for(ctx.device).static_decode else None)
+        return LocalEngine(gpt, ctx, replay=record, pad_id=pad_id, lockstep_group=lockstep,
+                           static=static)
     r, m = job.rollout, job.model
     moe_layers = [i for i, x in enumerate(m.moe_layer_pattern) if x]
     direct = (ServerLayout(m, tp=r.sglang_gpus_per_server, ep=r.sglang_ep_per_server)

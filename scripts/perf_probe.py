@@ -1,0 +1,239 @@
+"""Where one GPU's time goes, ours against Hugging Face transformers on the same weights.
+
+    python scripts/perf_probe.py [--model 1b|tiny] [--device cuda|cpu] [--batch 32]
+                                 [--new-tokens 512] [--update-batch 8] [--update-seq 1024]
+
+One JSON line per section (``{"section": ..., ...}``), in about 9 minutes on an H100 / H200 with
+the 1B MoE (0.31B active; ``scripts/gpu_check.py``'s shape), seeded weights:
+
+- ``launch``: microseconds per kernel launch (a tiny add, queued) and per host synchronisation;
+- ``parity``: our model's logits against transformers' ``Qwen3MoeForCausalLM`` loaded from our
+  export of the same weights (largest difference);
+- ``rollout``: generated tokens/s at ``--batch`` rows x ``--new-tokens`` tokens: ours through
+  the engine as it was (megatron's forward on a GPU), through the static decoder (no host
+  synchronisation per step) and with its CUDA graphs; transformers' ``generate`` with its
+  dynamic cache and with its static cache;
+- ``update``: a training step on ``--update-batch`` x ``--update-seq`` tokens (forward,
+  backward, Adam): ours (megatron DDP, the distributed optimizer, bf16, sort dispatch) against a
+  plain transformers step (bf16 autocast, fused AdamW), model TFLOP/s (6 x active parameters x
+  tokens) and MFU against 989 TFLOP/s (H100 / H200 dense bf16);
+- ``profile``: kernels and device-busy share of one micro-batch and of 5 decoding steps;
+- ``memory``: peak memory.
+
+The last line: ``ours vs HF: rollout X.XXx, update X.XXx``. ``--device cpu --model tiny`` runs
+every section but CUDA graphs on CPU (the tests do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import torch  # noqa: E402
+
+from gpu_check import MODEL_1B, param_counts  # noqa: E402
+from megatron_gspo.config import ModelConfig, ParallelConfig  # noqa: E402
+
+PEAK_TFLOPS = 989.0  # H100 / H200 SXM, dense bf16
+
+
+def emit(section: str, **fields) -> None:
+    print(json.dumps({"section": section, **fields}), flush=True)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeats: int = 1) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / repeats
+
+
+def launch_costs(device) -> dict:
+    x = torch.zeros(1, device=device)
+    n = 2000
+    per_launch = timed(lambda: [x.add_(1) for _ in range(n)], device) / n
+    per_sync = timed(lambda: [float(x.sum()) for _ in range(200)], device) / 200
+    return {"launch_us": 1e6 * per_launch, "sync_us": 1e6 * per_sync}
+
+
+def build(m: ModelConfig, device_name: str):
+    from megatron_gspo.distributed.parallel import init_parallel
+    from megatron_gspo.models.hf_io import SeededTensors
+    from megatron_gspo.models.hf_mapping import load_hf_weights
+    from megatron_gspo.models.model import build_model
+
+    ctx = init_parallel(ParallelConfig(device=device_name), m, seed=0)
+    gpt = build_model(m, ctx, moe_enable_routing_replay=False)
+    load_hf_weights(gpt, SeededTensors(m, 1), m, ctx)
+    return ctx, gpt
+
+
+def hf_model(gpt, m, ctx, dtype):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_gspo.models.hf_mapping import export_hf
+
+    out = tempfile.mkdtemp(prefix="perf_probe_hf_")
+    export_hf(gpt, m, ctx, out)
+    return AutoModelForCausalLM.from_pretrained(out, dtype=dtype).to(ctx.device).eval()
+
+
+def rollout_rates(gpt, hf, ctx, args, prompts) -> dict:
+    from megatron_gspo.rollout.local_engine import LocalEngine
+    from megatron_gspo.rollout.static_decode import StaticGenerator
+    from megatron_gspo.rollout.types import SamplingParams
+
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=1)
+    tokens = len(prompts) * args.new_tokens
+    out = {}
+    engines = {"ours_as_is": LocalEngine(gpt, ctx, pad_id=0),
+               "ours_static": LocalEngine(gpt, ctx, pad_id=0,
+                                          static=StaticGenerator(gpt, pad_id=0))}
+    if ctx.device.type == "cuda":
+        engines["ours_cuda_graphs"] = LocalEngine(
+            gpt, ctx, pad_id=0, static=StaticGenerator(gpt, pad_id=0, cuda_graphs=True))
+    for name, engine in engines.items():
+        engine.generate(prompts[:2], 1, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0))
+        out[name] = tokens / timed(lambda: engine.generate(prompts, 1, params), ctx.device)
+    ids = torch.tensor(prompts, device=ctx.device)
+    for name, extra in (("hf_dynamic_cache", {}), ("hf_static_cache",
+                                                   {"cache_implementation": "static"})):
+        kw = dict(do_sample=True, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                  pad_token_id=0, **extra)
+        with torch.no_grad():
+            hf.generate(ids[:2], **dict(kw, max_new_tokens=4, min_new_tokens=4))
+            out[name] = tokens / timed(lambda: hf.generate(ids, **kw), ctx.device)
+    return {f"{k}_tokens_per_s": v for k, v in out.items()}
+
+
+def update_rates(gpt, hf, m, ctx, args) -> dict:
+    from megatron_gspo.algorithms.logprobs import token_logprobs
+    from megatron_gspo.trainer.optim import OptimConfig, wrap_and_build_optimizer
+
+    _, active = param_counts(m)
+    g = torch.Generator().manual_seed(2)
+    batch = torch.randint(3, m.vocab_size, (args.update_batch, args.update_seq + 1), generator=g)
+    batch = batch.to(ctx.device)
+    x, y = batch[:, :-1], batch[:, 1:]
+    pos = torch.arange(args.update_seq, device=ctx.device).expand_as(x)
+    ddp, opt = wrap_and_build_optimizer(gpt, ctx, OptimConfig(lr=1e-6))
+    gpt.train()
+
+    def ours():
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        logits = ddp(x, pos, attention_mask=None)
+        logp, _ = token_logprobs(logits, y, group=None)
+        (-logp.mean()).backward()
+        opt.step()
+
+    hf.train()
+    hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-6, fused=ctx.device.type == "cuda")
+
+    def theirs():
+        hf_opt.zero_grad(set_to_none=True)
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16,
+                            enabled=ctx.device.type == "cuda"):
+            logits = hf(input_ids=x).logits
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, y[..., None])[..., 0]
+        (-logp.mean()).backward()
+        hf_opt.step()
+
+    flops = 6 * active * x.numel()
+    out = {}
+    for name, fn in (("ours", ours), ("hf", theirs)):
+        fn()
+        seconds = timed(fn, ctx.device, repeats=3)
+        out[f"{name}_s"] = seconds
+        out[f"{name}_tflops"] = flops / seconds / 1e12
+        out[f"{name}_mfu"] = out[f"{name}_tflops"] / PEAK_TFLOPS
+    gpt.eval()
+    hf.eval()
+    return out
+
+
+def profile_counts(gpt, ctx, args, prompts) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_gspo.rollout.static_decode import StaticGenerator
+    from megatron_gspo.rollout.types import SamplingParams
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda"
+                                     else [])
+    gen = StaticGenerator(gpt, pad_id=0, readback_steps=10_000)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)
+    sync(ctx.device)
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        gen.generate(prompts, 1, params)
+        sync(ctx.device)
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    if ctx.device.type == "cuda":
+        busy = sum(e.self_device_time_total for e in events) / 1e6
+        kernels = sum(e.count for e in events if e.self_device_time_total > 0)
+    else:
+        busy = sum(e.self_cpu_time_total for e in events) / 1e6
+        kernels = sum(e.count for e in events)
+    return {"decode_5_steps_kernels": kernels, "device_busy_share": busy / wall}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=("1b", "tiny"), default="1b")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--update-batch", type=int, default=8)
+    p.add_argument("--update-seq", type=int, default=1024)
+    args = p.parse_args()
+    warnings.filterwarnings("ignore")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("perf_probe: no CUDA device (use --device cpu --model tiny to try it)")
+    m = MODEL_1B if args.model == "1b" else ModelConfig(vocab_size=128, params_dtype="float32")
+    ctx, gpt = build(m, args.device)
+    device = ctx.device
+    emit("launch", device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+         **launch_costs(device))
+    dtype = torch.bfloat16 if m.params_dtype == "bfloat16" else torch.float32
+    hf = hf_model(gpt, m, ctx, dtype)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, m.vocab_size, (2, 33), generator=g).to(device)
+    with torch.no_grad():
+        ours = gpt(ids, torch.arange(33, device=device).expand_as(ids), attention_mask=None)
+        theirs = hf(input_ids=ids).logits
+    emit("parity", max_abs_logit_diff=float((ours.float() - theirs.float()).abs().max()))
+    prompts = torch.randint(3, m.vocab_size, (args.batch, args.prompt_tokens),
+                            generator=g).tolist()
+    rollout = rollout_rates(gpt, hf, ctx, args, prompts)
+    emit("rollout", batch=args.batch, new_tokens=args.new_tokens, **rollout)
+    update = update_rates(gpt, hf, m, ctx, args)
+    emit("update", tokens=args.update_batch * args.update_seq, **update)
+    emit("profile", **profile_counts(gpt, ctx, args, prompts[:min(8, len(prompts))]))
+    emit("memory", peak_gib=(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
+                             else None))
+    best_ours = max(v for k, v in rollout.items() if k.startswith("ours"))
+    best_hf = max(v for k, v in rollout.items() if k.startswith("hf"))
+    print(f"ours vs HF: rollout {best_ours / best_hf:.2f}x, update "
+          f"{update['hf_s'] / update['ours_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

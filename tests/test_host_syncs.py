@@ -1,0 +1,223 @@
+"""Host synchronisations (megatron_gspo.debug.count_host_syncs), counted on CPU for the code that
+a GPU runs: the counter itself on planted cases; none in the log-prob loss, in an MoE layer with
+every expert local (the sort dispatcher: the same outputs and gradients as megatron's), in a
+decoding step of the static decoder (which compiles as one graph and equals the model's forward);
+the static generator's log-probs equal the trainer's, its routes the routers'."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from megatron_gspo.debug import count_host_syncs
+
+
+def test_the_counter_on_planted_cases():
+    x = torch.randn(6)
+    mask = x > 0
+    syncing = {
+        "item": lambda: x.sum().item(), "bool": lambda: bool(x.sum() > 0),
+        "int": lambda: int(x.argmax()), "tolist": lambda: x.tolist(), "cpu": lambda: x.cpu(),
+        "numpy": lambda: x.numpy(), "nonzero": lambda: x.nonzero(),
+        "mask index": lambda: x[mask], "mask assignment": lambda: x.clone().__setitem__(mask, 0.0),
+        "masked_select": lambda: x.masked_select(mask), "bincount": lambda: torch.bincount(
+            torch.tensor([0, 2, 2])), "unique": lambda: torch.unique(torch.tensor([1, 1, 2])),
+        "repeat_interleave": lambda: torch.repeat_interleave(torch.tensor([1, 2]),
+                                                             torch.tensor([2, 1])),
+        "a tensor as an index": lambda: x[:torch.tensor(3)],
+    }
+    for name, fn in syncing.items():
+        with count_host_syncs() as syncs:
+            fn()
+        assert syncs.total == 1, (name, syncs.by_op)
+    free = {
+        "where": lambda: torch.where(mask, x, 0.0), "scatter_add": lambda: torch.zeros(3)
+        .scatter_add_(0, torch.tensor([0, 2]), torch.ones(2)),
+        "index by ints": lambda: x[torch.tensor([0, 3])], "sort": lambda: x.sort(),
+        "repeat_interleave with output_size": lambda: torch.repeat_interleave(
+            torch.tensor([1, 2]), torch.tensor([2, 1]), output_size=3),
+        "to the same device": lambda: x.to(x.device), "isin": lambda: torch.isin(x, x[:2]),
+    }
+    for name, fn in free.items():
+        with count_host_syncs() as syncs:
+            fn()
+        assert syncs.total == 0, (name, syncs.by_op)
+
+
+@pytest.mark.parametrize("algo", ["gspo", "gspo_token", "grpo"])
+def test_the_log_prob_loss_never_waits_for_the_host(algo):
+    from megatron_gspo.algorithms.logprobs import token_logprobs
+    from megatron_gspo.algorithms.losses import policy_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 9, 64, generator=g, requires_grad=True)
+    targets = torch.randint(0, 64, (3, 9), generator=g)
+    mask = torch.ones(3, 9)
+    mask[1, :4] = 0
+    old = -3 + 0.01 * torch.randn(3, 9, generator=g)
+    with count_host_syncs() as syncs:
+        logp, ent = token_logprobs(logits, targets, group=None, with_entropy=True)
+        loss, _ = policy_loss(algo, logp, old, torch.randn(3, generator=g), mask)
+        loss.backward()
+    assert syncs.total == 0, syncs.by_op
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A whole MoE model on one rank (the 1B shape's structure at small widths: a dense first
+    layer, GQA, top-k of more experts than k), seeded weights."""
+    warnings.filterwarnings("ignore")
+    from megatron_gspo.config import ModelConfig, ParallelConfig
+    from megatron_gspo.distributed.parallel import destroy_parallel, init_parallel
+    from megatron_gspo.models.hf_io import SeededTensors
+    from megatron_gspo.models.hf_mapping import load_hf_weights
+    from megatron_gspo.models.model import build_model
+
+    m = ModelConfig(vocab_size=128, hidden_size=64, num_layers=3, num_attention_heads=4,
+                    num_query_groups=2, head_dim=16, ffn_hidden_size=128, moe_ffn_hidden_size=32,
+                    num_experts=8, top_k=2, first_k_dense=1, init_method_std=0.1)
+    ctx = init_parallel(ParallelConfig(), m, seed=0)
+    gpt = build_model(m, ctx, moe_enable_routing_replay=True)
+    load_hf_weights(gpt, SeededTensors(m, 3), m, ctx)
+    gpt.eval()
+    yield m, ctx, gpt
+    destroy_parallel()
+
+
+def test_an_moe_layer_with_local_experts_never_waits_for_the_host(tiny):
+    """The GPU path of an MoE layer (every expert on this rank): the sort dispatcher and the
+    grouped experts, forward and backward without a host synchronisation, equal to megatron's
+    dispatcher (which reads the counts on the host 4 times forward, once backward)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_gspo.models.dispatch import SortTokenDispatcher
+    from megatron_gspo.models.grouped_experts import GroupedSequentialMLP
+
+    _, ctx, gpt = tiny
+    moe = next(m for m in gpt.modules() if isinstance(m, MoELayer))
+    cls, dtypes, dispatcher = moe.experts.__class__, moe.experts.grouped_dtypes, moe.token_dispatcher
+    moe.experts.__class__ = GroupedSequentialMLP  # the GPU backend's experts
+    moe.experts.grouped_dtypes = None  # (grouped_mm in fp32 on CPU; bf16 on the GPU)
+    try:
+        x0 = torch.randn(7, 2, 64, generator=torch.Generator().manual_seed(1))
+        runs = {}
+        for name in ("megatron", "sort"):
+            if name == "sort":
+                moe.token_dispatcher = SortTokenDispatcher(moe.config, pg_collection=ctx.pg)
+            for p in moe.parameters():
+                p.grad = None
+            x = x0.clone().requires_grad_()
+            with count_host_syncs() as forward:
+                out, _ = moe(x)
+            with count_host_syncs() as backward:
+                (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+            runs[name] = (forward.total, backward.total, out.detach(), x.grad,
+                          [p.grad.clone() for p in moe.parameters()])
+    finally:
+        moe.experts.__class__, moe.experts.grouped_dtypes = cls, dtypes
+        moe.token_dispatcher = dispatcher
+    assert runs["megatron"][0] >= 3 and runs["megatron"][1] >= 1  # (megatron-core 0.16: 3, 1)
+    assert runs["sort"][:2] == (0, 0)
+    assert torch.equal(runs["sort"][2], runs["megatron"][2])
+    assert torch.equal(runs["sort"][3], runs["megatron"][3])
+    assert all(torch.equal(a, b) for a, b in zip(runs["sort"][4], runs["megatron"][4]))
+
+
+def _reference_logits(gpt, tokens):
+    with torch.no_grad():
+        return gpt(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), attention_mask=None)
+
+
+def test_a_decoding_step_never_waits_for_the_host_and_compiles_as_one_graph(tiny):
+    from megatron_gspo.rollout.sampling import row_uniform, sample_next
+    from megatron_gspo.rollout.static_decode import (StaticModel, forward_tokens, new_cache,
+                                                     rope_tables, unsupported)
+    from megatron_gspo.rollout.types import SamplingParams
+
+    _, ctx, gpt = tiny
+    assert unsupported(gpt, ctx) is None
+    model = StaticModel(gpt)
+    cos, sin = rope_tables(gpt, 32, torch.float32)
+    tokens = torch.randint(3, 128, (3, 10), generator=torch.Generator().manual_seed(2))
+    ref = _reference_logits(gpt, tokens)
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.95)
+    seeds, step = torch.tensor([11, 12, 13]), torch.zeros((), dtype=torch.long)
+    with torch.no_grad():
+        cache = new_cache(model, 3, 32, "cpu", torch.float32)
+        logits, _ = forward_tokens(model, cache, tokens[:, :7], torch.arange(7).expand(3, 7),
+                                   cos, sin)
+        assert (logits - ref[:, 6]).abs().max() <= 1e-5
+        for p in (7, 8):
+            with count_host_syncs() as syncs:
+                logits, routes = forward_tokens(model, cache, tokens[:, p:p + 1],
+                                                torch.full((3, 1), p), cos, sin)
+                sample_next(logits, params, uniform_B=row_uniform(seeds, step))
+                step += 1
+            assert syncs.total == 0, syncs.by_op
+            assert (logits - ref[:, p]).abs().max() <= 1e-5
+            assert len(routes) == 2 and routes[0].shape == (3, 1, 2)
+        compiled = torch.compile(forward_tokens, fullgraph=True, dynamic=False)
+        logits, _ = compiled(model, cache, tokens[:, 9:10], torch.full((3, 1), 9), cos, sin)
+        assert (logits - ref[:, 9]).abs().max() <= 1e-5
+
+    # a planted host read in the step is counted
+    import megatron_gspo.rollout.static_decode as sd
+
+    norm = sd._norm
+
+    def reading(x, weight, eps):
+        float(x.sum())
+        return norm(x, weight, eps)
+
+    sd._norm = reading
+    try:
+        with count_host_syncs() as syncs, torch.no_grad():
+            forward_tokens(model, new_cache(model, 3, 32, "cpu", torch.float32),
+                           tokens[:, :1], torch.zeros(3, 1, dtype=torch.long), cos, sin)
+        assert syncs.by_op["_local_scalar_dense"] > 0
+    finally:
+        sd._norm = norm
+
+
+@pytest.mark.parametrize("readback", [1, 3])
+def test_the_static_generator_equals_the_trainer(tiny, readback):
+    """Prompts of several lengths, rows stopping at different steps (the batch moves to smaller
+    buckets at the readbacks): each response's log-probs equal the trainer's recomputation, its
+    routes the routers' own, and the decoding loop reads the host only at its readbacks."""
+    from moe.replay import RoutingReplay
+
+    from megatron_gspo.rollout.static_decode import StaticGenerator
+    from megatron_gspo.rollout.types import SamplingParams
+
+    _, _, gpt = tiny
+    prompts = [[1, 5, 9, 11], [1, 7], [1, 20, 21, 22, 23, 24, 25], [1, 40, 41]]
+    params = SamplingParams(max_new_tokens=14, temperature=1.0, stop_token_ids=(9, 17, 33),
+                            seed=5)
+    gen = StaticGenerator(gpt, pad_id=0, readback_steps=readback)
+    loop = gen._decode
+    reads = []
+
+    def counted(*a, **k):
+        with count_host_syncs() as syncs:
+            out = loop(*a, **k)
+        reads.append(syncs.total)
+        return out
+
+    gen._decode = counted
+    samples = gen.generate(prompts, 3, params, routes=True)
+    assert reads == [gen.readbacks_run] and 0 < gen.readbacks_run <= 13 // readback
+    assert len({len(s.response_ids) for s in samples}) > 2  # rows stopped at different steps
+    replay = RoutingReplay(gpt)
+    for s in samples:
+        seq = torch.tensor(s.prompt_ids + s.response_ids)[None]
+        with replay.record() as rec, torch.no_grad():
+            logits = _reference_logits(gpt, seq[:, :-1])[0]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, seq[0, 1:, None])[:, 0]
+        assert (logp[len(s.prompt_ids) - 1:] - s.logprobs_R).abs().max() <= 1e-5
+        trainer_routes = torch.stack(rec.forwards[0], 1)  # [T, L, K], this row's positions
+        assert s.routes_TLK.shape == trainer_routes.shape
+        same = (s.routes_TLK.sort(-1).values == trainer_routes.sort(-1).values).all(-1)
+        assert same.float().mean() >= 0.99  # (a near tie may flip at float rounding)

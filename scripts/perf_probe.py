@@ -17,7 +17,8 @@ the 1B MoE (0.31B active; ``scripts/gpu_check.py``'s shape), seeded weights:
   backward, Adam): ours (megatron DDP, the distributed optimizer, bf16, sort dispatch) against a
   plain transformers step (bf16 autocast, fused AdamW), model TFLOP/s (6 x active parameters x
   tokens) and MFU against 989 TFLOP/s (H100 / H200 dense bf16);
-- ``profile``: kernels and device-busy share of one micro-batch and of 5 decoding steps;
+- ``profile``: kernels and device-busy share of one update step (its micro-batch's forward,
+  backward and Adam) and of a prefill with 5 decoding steps;
 - ``memory``: peak memory.
 
 The last line: ``ours vs HF: rollout X.XXx, update X.XXx``. ``--device cpu --model tiny`` runs
@@ -108,8 +109,9 @@ def rollout_rates(gpt, hf, ctx, args, prompts) -> dict:
     if ctx.device.type == "cuda":
         engines["ours_cuda_graphs"] = LocalEngine(
             gpt, ctx, pad_id=0, static=StaticGenerator(gpt, pad_id=0, cuda_graphs=True))
-    for name, engine in engines.items():
-        engine.generate(prompts[:2], 1, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0))
+    warm = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
+    for name, engine in engines.items():  # (CUDA graphs are captured within each call)
+        engine.generate(prompts, 1, warm)
         out[name] = tokens / timed(lambda: engine.generate(prompts, 1, params), ctx.device)
     ids = torch.tensor(prompts, device=ctx.device)
     for name, extra in (("hf_dynamic_cache", {}), ("hf_static_cache",
@@ -117,12 +119,13 @@ def rollout_rates(gpt, hf, ctx, args, prompts) -> dict:
         kw = dict(do_sample=True, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                   pad_token_id=0, **extra)
         with torch.no_grad():
-            hf.generate(ids[:2], **dict(kw, max_new_tokens=4, min_new_tokens=4))
+            # the static cache compiles its forward for the cache's shape: warm up on that shape
+            hf.generate(ids, **(kw if extra else dict(kw, max_new_tokens=4, min_new_tokens=4)))
             out[name] = tokens / timed(lambda: hf.generate(ids, **kw), ctx.device)
     return {f"{k}_tokens_per_s": v for k, v in out.items()}
 
 
-def update_rates(gpt, hf, m, ctx, args) -> dict:
+def update_rates(gpt, hf, m, ctx, args) -> tuple:
     from megatron_gspo.algorithms.logprobs import token_logprobs
     from megatron_gspo.trainer.optim import OptimConfig, wrap_and_build_optimizer
 
@@ -165,33 +168,46 @@ def update_rates(gpt, hf, m, ctx, args) -> dict:
         out[f"{name}_mfu"] = out[f"{name}_tflops"] / PEAK_TFLOPS
     gpt.eval()
     hf.eval()
-    return out
+    return out, ours
 
 
-def profile_counts(gpt, ctx, args, prompts) -> dict:
+def profiled(fn, device) -> tuple:
+    """Kernels launched by ``fn`` and the share of its wall time the device was busy (on a
+    GPU: the kernels' own time, counted once, from the device's events; on a CPU: the operators'
+    self time)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        wall = time.perf_counter() - t0
+    if device.type == "cuda":
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        busy = sum(e.device_time_total for e in kernels) / 1e6
+    else:
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CPU]
+        busy = sum(e.self_cpu_time_total for e in kernels) / 1e6
+    return len(kernels), busy / wall
+
+
+def profile_counts(gpt, ctx, prompts, micro_batch) -> dict:
     from megatron_gspo.rollout.static_decode import StaticGenerator
     from megatron_gspo.rollout.types import SamplingParams
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda"
-                                     else [])
     gen = StaticGenerator(gpt, pad_id=0, readback_steps=10_000)
-    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)
-    sync(ctx.device)
-    t0 = time.perf_counter()
-    with profile(activities=acts) as prof:
-        gen.generate(prompts, 1, params)
-        sync(ctx.device)
-    wall = time.perf_counter() - t0
-    events = prof.key_averages()
-    if ctx.device.type == "cuda":
-        busy = sum(e.self_device_time_total for e in events) / 1e6
-        kernels = sum(e.count for e in events if e.self_device_time_total > 0)
-    else:
-        busy = sum(e.self_cpu_time_total for e in events) / 1e6
-        kernels = sum(e.count for e in events)
-    return {"decode_5_steps_kernels": kernels, "device_busy_share": busy / wall}
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)  # prefill + 5 steps
+    gen.generate(prompts, 1, params)
+    decode_kernels, decode_busy = profiled(lambda: gen.generate(prompts, 1, params), ctx.device)
+    gpt.train()
+    micro_batch()
+    step_kernels, step_busy = profiled(micro_batch, ctx.device)
+    gpt.eval()
+    return {"decode_5_steps_kernels": decode_kernels, "decode_busy_share": decode_busy,
+            "update_step_kernels": step_kernels, "update_busy_share": step_busy}
 
 
 def main() -> None:
@@ -224,9 +240,9 @@ def main() -> None:
                             generator=g).tolist()
     rollout = rollout_rates(gpt, hf, ctx, args, prompts)
     emit("rollout", batch=args.batch, new_tokens=args.new_tokens, **rollout)
-    update = update_rates(gpt, hf, m, ctx, args)
+    update, micro_batch = update_rates(gpt, hf, m, ctx, args)
     emit("update", tokens=args.update_batch * args.update_seq, **update)
-    emit("profile", **profile_counts(gpt, ctx, args, prompts[:min(8, len(prompts))]))
+    emit("profile", **profile_counts(gpt, ctx, prompts[:min(8, len(prompts))], micro_batch))
     emit("memory", peak_gib=(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
                              else None))
     best_ours = max(v for k, v in rollout.items() if k.startswith("ours"))

@@ -163,4 +163,6 @@ def test_the_perf_probe_runs_every_section_on_cpu():
     assert lines[1]["max_abs_logit_diff"] < 1e-4  # the same weights in transformers
     assert {"ours_as_is_tokens_per_s", "ours_static_tokens_per_s", "hf_dynamic_cache_tokens_per_s",
             "hf_static_cache_tokens_per_s"} <= set(lines[2])
+    assert {"update_step_kernels", "update_busy_share", "decode_5_steps_kernels",
+            "decode_busy_share"} <= set(lines[4])
     assert out.stdout.strip().splitlines()[-1].startswith("ours vs HF: rollout ")

@@ -2,7 +2,8 @@
 a GPU runs: the counter itself on planted cases; none in the log-prob loss, in an MoE layer with
 every expert local (the sort dispatcher: the same outputs and gradients as megatron's), in a
 decoding step of the static decoder (which compiles as one graph and equals the model's forward);
-the static generator's log-probs equal the trainer's, its routes the routers'."""
+the static generator's log-probs equal the trainer's, its routes the routers', seeded or not;
+its experts' three paths and Transformer Engine's layout read as the local one."""
 
 from __future__ import annotations
 
@@ -133,8 +134,8 @@ def _reference_logits(gpt, tokens):
 
 def test_a_decoding_step_never_waits_for_the_host_and_compiles_as_one_graph(tiny):
     from megatron_gspo.rollout.sampling import row_uniform, sample_next
-    from megatron_gspo.rollout.static_decode import (StaticModel, forward_tokens, new_cache,
-                                                     rope_tables, unsupported)
+    from megatron_gspo.rollout.static_model import (StaticModel, forward_tokens, new_cache,
+                                                    rope_tables, unsupported)
     from megatron_gspo.rollout.types import SamplingParams
 
     _, ctx, gpt = tiny
@@ -164,7 +165,7 @@ def test_a_decoding_step_never_waits_for_the_host_and_compiles_as_one_graph(tiny
         assert (logits - ref[:, 9]).abs().max() <= 1e-5
 
     # a planted host read in the step is counted
-    import megatron_gspo.rollout.static_decode as sd
+    import megatron_gspo.rollout.static_model as sd
 
     norm = sd._norm
 
@@ -182,8 +183,112 @@ def test_a_decoding_step_never_waits_for_the_host_and_compiles_as_one_graph(tiny
         sd._norm = norm
 
 
-@pytest.mark.parametrize("readback", [1, 3])
-def test_the_static_generator_equals_the_trainer(tiny, readback):
+@pytest.mark.parametrize("experts", ["grouped", "grouped, groups padded to 16", "every expert"])
+def test_each_experts_path_of_the_decoding_step_equals_the_model(tiny, experts, monkeypatch):
+    """The decoding step's experts as the GPU runs them (grouped_mm over groups padded to 16
+    rows), as the CPU does (unpadded) and without grouped_mm (every expert on chunks of tokens,
+    in a dtype it does not take): the model's logits within 1e-5, no host synchronisation."""
+    import megatron_gspo.rollout.static_model as sm
+
+    _, _, gpt = tiny
+    model = sm.StaticModel(gpt)
+    if experts == "grouped, groups padded to 16":
+        model.group_rows = 16
+    elif experts == "every expert":
+        model.grouped_dtypes = ()
+        monkeypatch.setattr(sm, "EVERY_EXPERT_CHUNK", 4)  # chunks of 4 of the 3 x 7 prefill
+    assert model.grouped(torch.zeros(1, 64), model.layers[1].fc1) == (experts != "every expert")
+    cos, sin = sm.rope_tables(gpt, 32, torch.float32)
+    tokens = torch.randint(3, 128, (3, 10), generator=torch.Generator().manual_seed(4))
+    ref = _reference_logits(gpt, tokens)
+    with torch.no_grad():
+        cache = sm.new_cache(model, 3, 32, "cpu", torch.float32)
+        logits, _ = sm.forward_tokens(model, cache, tokens[:, :7], torch.arange(7).expand(3, 7),
+                                      cos, sin)
+        assert (logits - ref[:, 6]).abs().max() <= 1e-5
+        for p in (7, 8):
+            with count_host_syncs() as syncs:
+                logits, _ = sm.forward_tokens(model, cache, tokens[:, p:p + 1],
+                                              torch.full((3, 1), p), cos, sin)
+            assert syncs.total == 0, syncs.by_op
+            assert (logits - ref[:, p]).abs().max() <= 1e-5
+
+
+def test_transformer_engines_layout_is_read_as_the_local_one(tiny):
+    """Transformer Engine's layers keep the attention's and a dense MLP's norm in the next
+    linear (``layer_norm_weight``; the norm's slot an identity) and the experts as grouped
+    linears (``weight0``, ``weight1``, ..): the same model in that layout decodes to the same
+    logits; experts whose weights it cannot find are named by ``unsupported``."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    import megatron_gspo.rollout.static_model as sm
+
+    _, ctx, gpt = tiny
+    tokens = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(5))
+    cos, sin = sm.rope_tables(gpt, 8, torch.float32)
+
+    def logits():
+        model = sm.StaticModel(gpt)
+        with torch.no_grad():
+            return sm.forward_tokens(model, sm.new_cache(model, 2, 8, "cpu", torch.float32),
+                                     tokens, torch.arange(6).expand(2, 6), cos, sin)[0]
+
+    local = logits()
+    kept = [(layer.input_layernorm, layer.pre_mlp_layernorm, layer.mlp.experts
+             if isinstance(layer.mlp, MoELayer) else None) for layer in gpt.decoder.layers]
+    try:  # the model in Transformer Engine's layout (the same parameters)
+        for layer in gpt.decoder.layers:
+            layer.self_attention.linear_qkv.layer_norm_weight = layer.input_layernorm.weight
+            layer.input_layernorm = IdentityOp()
+            if isinstance(layer.mlp, MoELayer):
+                experts = layer.mlp.experts.local_experts
+                grouped = torch.nn.Module()
+                grouped.num_local_experts = len(experts)
+                for name in ("linear_fc1", "linear_fc2"):
+                    linear = torch.nn.Module()
+                    for i, e in enumerate(experts):
+                        linear.register_parameter(f"weight{i}", getattr(e, name).weight)
+                    setattr(grouped, name, linear)
+                layer.mlp.experts = grouped
+            else:
+                layer.mlp.linear_fc1.layer_norm_weight = layer.pre_mlp_layernorm.weight
+                layer.pre_mlp_layernorm = IdentityOp()
+        assert sm.unsupported(gpt, ctx) is None
+        # (its experts take the GPU's rule, bf16 grouped_mm: in fp32 every expert runs)
+        assert (logits() - local).abs().max() <= 1e-5
+        moe = next(lay.mlp for lay in gpt.decoder.layers if isinstance(lay.mlp, MoELayer))
+        del moe.experts.linear_fc2.weight1
+        assert sm.unsupported(gpt, ctx) == "experts whose weights this step cannot read"
+    finally:
+        for layer, (norm1, norm2, experts) in zip(gpt.decoder.layers, kept):
+            layer.input_layernorm, layer.pre_mlp_layernorm = norm1, norm2
+            del layer.self_attention.linear_qkv.layer_norm_weight
+            if experts is not None:
+                layer.mlp.experts = experts
+            else:
+                del layer.mlp.linear_fc1.layer_norm_weight
+    assert sm.unsupported(gpt, ctx) is None and torch.equal(logits(), local)
+
+
+def test_a_compiled_step_takes_more_shapes_than_dynamos_default():
+    """Each batch bucket and cache length is a compilation of the step; under ``fullgraph``
+    dynamo's default limit (8) is a hard error, the generator's limit is not."""
+    from megatron_gspo.rollout.static_decode import COMPILED_SHAPES, _compile_limit
+
+    def step(x):
+        return (x * 2).sum(-1)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="eager")
+    shapes = range(1, 13)
+    assert len(shapes) > torch._dynamo.config.recompile_limit and len(shapes) <= COMPILED_SHAPES
+    with _compile_limit():
+        for n in shapes:
+            assert torch.equal(compiled(torch.ones(n, 3)), torch.full((n,), 6.0))
+
+
+@pytest.mark.parametrize("readback,seed", [(1, 5), (3, 5), (3, None)])
+def test_the_static_generator_equals_the_trainer(tiny, readback, seed):
     """Prompts of several lengths, rows stopping at different steps (the batch moves to smaller
     buckets at the readbacks): each response's log-probs equal the trainer's recomputation, its
     routes the routers' own, and the decoding loop reads the host only at its readbacks."""
@@ -195,7 +300,7 @@ def test_the_static_generator_equals_the_trainer(tiny, readback):
     _, _, gpt = tiny
     prompts = [[1, 5, 9, 11], [1, 7], [1, 20, 21, 22, 23, 24, 25], [1, 40, 41]]
     params = SamplingParams(max_new_tokens=14, temperature=1.0, stop_token_ids=(9, 17, 33),
-                            seed=5)
+                            seed=seed)
     gen = StaticGenerator(gpt, pad_id=0, readback_steps=readback)
     loop = gen._decode
     reads = []

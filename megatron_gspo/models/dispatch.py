@@ -67,10 +67,12 @@ class SortTokenDispatcher(MoETokenDispatcher):
 
 
 def sort_dispatch_applies(config, ctx) -> bool:
-    """Every expert on this rank and no token dropped."""
+    """Every expert on this rank, no token dropped, and the layer computing its shared experts
+    itself (with ``moe_shared_expert_overlap`` megatron's dispatchers run them)."""
     return (ctx.ep == 1 and ctx.tp == 1 and ctx.etp == 1
             and config.moe_expert_capacity_factor is None
-            and not config.moe_pad_expert_input_to_capacity)
+            and not config.moe_pad_expert_input_to_capacity
+            and not config.moe_shared_expert_overlap)
 
 
 def use_sort_dispatch(gpt, ctx) -> int:

@@ -1,215 +1,32 @@
-"""Decoding without host synchronisations: a batch-major static KV cache, positions on the
-device, sampling on the device, the finished flags read back every few steps.
+"""Generation without host synchronisations per step: a batch-major static KV cache, positions
+on the device, sampling on the device, the finished flags read back every few steps.
 
-On a GPU the local engine's decoding through megatron's ``GPTModel.forward`` pays, per step,
-about a thousand kernel launches and tens of host synchronisations (data-dependent shapes in the
-MoE dispatch, scalar reads, a copy of every step's tokens to the host): the GPU idles while the
-host catches up. ``forward_tokens`` is the same model (this module reads the model's own
-parameters) as a fixed sequence of tensor operations on fixed shapes:
+``StaticGenerator`` drives ``rollout.static_model.forward_tokens``: the prompts' prefill, then
+decoding steps sampling on the device (``sampling.sample_next`` with ``row_uniform`` of a device
+step counter; unseeded rows get random seeds), each row's tokens, log-probs and routes written
+into device buffers; the host reads only the finished flags, every ``readback_steps`` steps, to
+stop early or to move the rows still decoding into a smaller batch bucket (a power of two: rows
+that finish inside a bucket only stop being written). The cache holds a multiple of
+``POSITION_MULTIPLE`` positions, so that a compiled step is reused across calls; CUDA graphs are
+captured per bucket over one call's cache and dropped at its end. Where ``unsupported`` names a
+reason, the engine takes the model's forward.
 
-- the cache is ``[B, G, S, D]`` per layer, written at each row's position by index (no
-  ``offset`` kept on the host), read whole with a mask of the positions each row may see;
-- attention is two batched matmuls over all ``S`` cached positions with that mask;
-- a token's routed experts are the top-k of the router's fp32 logits (megatron's rule), their
-  weights gathered per (token, expert) and applied as batched matmuls: no grouping, no counts;
-- nothing reads a value on the host (``megatron_gspo.debug.count_host_syncs`` counts 0), so a
-  step can be captured as a CUDA graph and compiles as one graph (``torch.compile(fullgraph=
-  True)``).
-
-``StaticGenerator`` drives it: the prompts' prefill, then decoding steps sampling on the device
-(``sampling.sample_next`` with ``row_uniform`` of a device step counter), each row's tokens,
-log-probs and routes written into device buffers; the host reads only the finished flags, every
-``readback_steps`` steps, to stop early or to move the rows still decoding into a smaller batch
-bucket (a power of two: rows that finish inside a bucket only stop being written). It covers the
-layouts and options of ``unsupported``; the engine takes the model's forward otherwise.
-
-Legend: ``B`` rows, ``T`` positions fed per row, ``S`` cache positions, ``G`` KV groups,
-``R`` query heads per group, ``D`` head dim, ``K`` top-k, ``E`` experts, ``L`` MoE layers.
+Legend: ``B`` rows, ``S`` cache positions, ``L`` MoE layers, ``K`` top-k, ``R`` new tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
-import torch.nn.functional as F
-from megatron.core.transformer.mlp import MLP
-from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from megatron_gspo.models.rope import cos_sin, rotate
 from megatron_gspo.rollout.sampling import row_uniform, sample_next
+from megatron_gspo.rollout.static_model import (StaticModel, forward_tokens, new_cache,
+                                                 rope_tables, unsupported)
 from megatron_gspo.rollout.types import Sample, SamplingParams, row_seed
 
+__all__ = ["StaticGenerator", "unsupported"]
 
-def unsupported(gpt, ctx) -> Optional[str]:
-    """Why ``forward_tokens`` cannot run ``gpt`` on this rank (None when it can)."""
-    c = gpt.config
-    if (ctx.tp, ctx.pp, ctx.ep, ctx.cp, ctx.etp) != (1, 1, 1, 1, 1):
-        return "the model is split over ranks"
-    if not (gpt.pre_process and gpt.post_process) or getattr(gpt, "mtp_process", False):
-        return "not the whole model"
-    if (c.add_bias_linear or c.add_qkv_bias or c.rotary_interleaved or c.multi_latent_attention
-            or c.attention_output_gate or gpt.position_embedding_type != "rope"
-            or not c.gated_linear_unit or c.activation_func is not F.silu
-            or c.activation_func_clamp_value is not None or c.glu_linear_offset
-            or c.normalization != "RMSNorm" or c.qk_layernorm is False):
-        return "a layer option this step does not mirror"
-    for layer in gpt.decoder.layers:
-        mlp = layer.mlp
-        if isinstance(mlp, MoELayer):
-            r = mlp.router
-            if (getattr(mlp, "shared_experts", None) is not None or r.score_function != "softmax"
-                    or r.expert_bias is not None or c.moe_router_num_groups
-                    or c.moe_expert_capacity_factor is not None):
-                return "an MoE option this step does not mirror"
-        elif type(mlp) is not MLP:
-            return "an MLP this step does not mirror"
-    return None
-
-
-@dataclass
-class _Layer:
-    norm1: torch.Tensor
-    qkv: torch.Tensor
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
-    proj: torch.Tensor
-    norm2: torch.Tensor
-    router: Optional[torch.Tensor]  # MoE: [E, H]
-    fc1: torch.Tensor  # dense [2F, H]; MoE [E, 2F, H]
-    fc2: torch.Tensor  # dense [H, F]; MoE [E, H, F]
-
-
-class StaticModel:
-    """The parameters ``forward_tokens`` reads, taken from a megatron ``GPTModel`` (views: a
-    weight update in place is seen; the expert stacks are copies, made again by ``refresh``)."""
-
-    def __init__(self, gpt):
-        c = gpt.config
-        self.gpt, self.eps = gpt, c.layernorm_epsilon
-        a = gpt.decoder.layers[0].self_attention
-        self.heads, self.groups = a.num_attention_heads_per_partition, a.num_query_groups_per_partition
-        self.head_dim, self.scale = a.hidden_size_per_attention_head, a.core_attention.softmax_scale
-        self.top_k = c.moe_router_topk
-        self.pre_softmax, self.topk_scale = c.moe_router_pre_softmax, c.moe_router_topk_scaling_factor
-        self.refresh()
-
-    def refresh(self) -> None:
-        gpt = self.gpt
-        self.embedding = gpt.embedding.word_embeddings.weight
-        self.final_norm = gpt.decoder.final_layernorm.weight
-        self.output = (gpt.shared_embedding_or_output_weight()
-                       if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight)
-        self.layers = []
-        for layer in gpt.decoder.layers:
-            attn, mlp = layer.self_attention, layer.mlp
-            if isinstance(mlp, MoELayer):
-                experts = mlp.experts.local_experts
-                router = mlp.router.weight
-                fc1 = torch.stack([e.linear_fc1.weight for e in experts])
-                fc2 = torch.stack([e.linear_fc2.weight for e in experts])
-            else:
-                router, fc1, fc2 = None, mlp.linear_fc1.weight, mlp.linear_fc2.weight
-            self.layers.append(_Layer(
-                norm1=layer.input_layernorm.weight, qkv=attn.linear_qkv.weight,
-                q_norm=attn.q_layernorm.weight, k_norm=attn.k_layernorm.weight,
-                proj=attn.linear_proj.weight, norm2=layer.pre_mlp_layernorm.weight,
-                router=router, fc1=fc1, fc2=fc2))
-        self.moe_layers = sum(lay.router is not None for lay in self.layers)
-
-
-def new_cache(model: StaticModel, rows: int, positions: int, device, dtype) -> dict:
-    """Empty keys and values ``[B, G, S, D]`` per layer, and which positions hold a key."""
-    shape = (rows, model.groups, positions, model.head_dim)
-    return {"keys": [torch.zeros(shape, device=device, dtype=dtype) for _ in model.layers],
-            "values": [torch.zeros(shape, device=device, dtype=dtype) for _ in model.layers],
-            "valid": torch.zeros(rows, positions, dtype=torch.bool, device=device)}
-
-
-def _norm(x, weight, eps):
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-def _experts(model: StaticModel, lay: _Layer, x_NH: torch.Tensor, routes: list) -> torch.Tensor:
-    logits = F.linear(x_NH.float(), lay.router.float())
-    k = model.top_k
-    if model.pre_softmax:
-        probs_NK, ids_NK = torch.softmax(logits, -1).topk(k, -1)
-    else:
-        top, ids_NK = logits.topk(k, -1)
-        probs_NK = torch.softmax(top, -1)
-    if model.topk_scale:
-        probs_NK = probs_NK * model.topk_scale
-    routes.append(ids_NK)
-    w1 = lay.fc1[ids_NK]  # [N, K, 2F, H]
-    w2 = lay.fc2[ids_NK]  # [N, K, H, F]
-    h = torch.einsum("nkfh,nh->nkf", w1, x_NH)
-    a, b = torch.chunk(h, 2, dim=-1)
-    h = (F.silu(a) * b * probs_NK.unsqueeze(-1)).to(x_NH.dtype)
-    return torch.einsum("nkhf,nkf->nh", w2, h)
-
-
-def rope_tables(gpt, positions: int, dtype) -> tuple:
-    """cos and signed sin ``[S, D]`` of the model's RoPE for ``positions`` positions."""
-    cos, sin = cos_sin(gpt.rotary_pos_emb(positions)[:, 0, 0].contiguous(), dtype)
-    return cos.contiguous(), sin.contiguous()
-
-
-def forward_tokens(model: StaticModel, cache: dict, tokens_BT: torch.Tensor,
-                   positions_BT: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor,
-                   last_B: Optional[torch.Tensor] = None):
-    """Feed ``T`` tokens per row at their positions (device tensors): write their keys and
-    values into the cache (in place), attend to every position the row holds up to its own,
-    and return the logits ``[B, V]`` of each row's fed token ``last_B`` (default: the last) and
-    each MoE layer's top-k expert ids of every fed token (``[B, T, K]`` per layer)."""
-    b, t = tokens_BT.shape
-    n, g, d = model.heads, model.groups, model.head_dim
-    r = n // g
-    x = model.embedding[tokens_BT]  # [B, T, H]
-    cos, sin = cos_SD[positions_BT][:, :, None], sin_SD[positions_BT][:, :, None]  # [B, T, 1, D]
-    rows_BT = torch.arange(b, device=tokens_BT.device)[:, None].expand(b, t)
-    cache["valid"].index_put_((rows_BT, positions_BT),
-                              torch.ones((), dtype=torch.bool, device=x.device))
-    s = cache["valid"].shape[1]
-    sees_BTS = cache["valid"][:, None, :] & (
-        torch.arange(s, device=x.device)[None, None, :] <= positions_BT[:, :, None])
-    bias = torch.zeros(sees_BTS.shape, dtype=x.dtype, device=x.device).masked_fill(
-        ~sees_BTS, float("-inf"))[:, None, None]  # [B, 1, 1, T, S]
-    where = _cache_index(rows_BT, positions_BT, g)
-    routes = []
-    for i, lay in enumerate(model.layers):
-        qkv = F.linear(_norm(x, lay.norm1, model.eps), lay.qkv).view(b, t, g, (r + 2) * d)
-        q = qkv[..., :r * d].reshape(b, t, n, d)
-        k, v = qkv[..., r * d:(r + 1) * d], qkv[..., (r + 1) * d:]
-        q = rotate(_norm(q, lay.q_norm, model.eps), cos, sin)
-        k = rotate(_norm(k, lay.k_norm, model.eps), cos, sin)
-        keys, values = cache["keys"][i], cache["values"][i]
-        keys.index_put_(where, k)
-        values.index_put_(where, v)
-        q = q.view(b, t, g, r, d).permute(0, 2, 3, 1, 4).reshape(b, g, r * t, d)
-        att = (torch.matmul(q, keys.transpose(-1, -2)) * model.scale).view(b, g, r, t, s) + bias
-        o = torch.matmul(torch.softmax(att, -1).view(b, g, r * t, s), values)
-        o = o.view(b, g, r, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, n * d)
-        x = x + F.linear(o, lay.proj)
-        h = _norm(x, lay.norm2, model.eps)
-        if lay.router is not None:
-            x = x + _experts(model, lay, h.reshape(b * t, -1), routes).view(b, t, -1)
-        else:
-            a, c = torch.chunk(F.linear(h, lay.fc1), 2, dim=-1)
-            x = x + F.linear(F.silu(a) * c, lay.fc2)
-    x = x[:, -1] if last_B is None else x[torch.arange(b, device=x.device), last_B]
-    return (F.linear(_norm(x, model.final_norm, model.eps), model.output),
-            [ids.view(b, t, -1) for ids in routes])
-
-
-def _cache_index(rows_BT, positions_BT, groups: int) -> tuple:
-    """Indices of ``[B, G, S, D]`` for each fed token's ``[G, D]`` key (or value)."""
-    b, t = rows_BT.shape
-    shape = (b, t, groups)
-    return (rows_BT[..., None].expand(shape),
-            torch.arange(groups, device=rows_BT.device).expand(shape),
-            positions_BT[..., None].expand(shape))
+POSITION_MULTIPLE = 128  # the cache's positions are a multiple of this (shapes reused)
+COMPILED_SHAPES = 64  # compiled steps kept per generator: batch buckets x cache lengths
 
 
 class StaticGenerator:
@@ -229,14 +46,20 @@ class StaticGenerator:
     def generate(self, prompts, samples_per_prompt: int, params: SamplingParams, *,
                  first_row: int = 0, row_seeds=None, routes: bool = False) -> list[Sample]:
         params.validate()
-        self.graphs = {}  # captured over this call's cache
+        try:
+            return self._generate(prompts, samples_per_prompt, params, first_row, row_seeds,
+                                  routes)
+        finally:
+            self.graphs = {}  # the captured graphs' memory pools go with them
+
+    def _generate(self, prompts, samples_per_prompt, params, first_row, row_seeds, routes):
         model = StaticModel(self.gpt)
         device, dtype = model.embedding.device, model.embedding.dtype
         n_u = len(prompts)
         b = n_u * samples_per_prompt
         lengths_U = torch.tensor([len(p) for p in prompts], device=device)
         p_len, new = max(len(p) for p in prompts), params.max_new_tokens
-        s = p_len + new
+        s = -(-(p_len + new) // POSITION_MULTIPLE) * POSITION_MULTIPLE
         cos, sin = rope_tables(self.gpt, s, dtype)
         # the prefill: each prompt once, from position 0, right-padded
         tokens_UP = torch.full((n_u, p_len), self.pad_id, dtype=torch.long)
@@ -255,6 +78,8 @@ class StaticGenerator:
         pos_B = lengths_U.index_select(0, of_row)
         if row_seeds is None and params.seed is not None:
             row_seeds = [row_seed(params.seed, first_row + r) for r in range(b)]
+        elif row_seeds is None:  # unseeded: random seeds, still sampled on the device
+            row_seeds = torch.randint(0, 2 ** 62, (b,)).tolist()
         seeds_B = (torch.tensor(list(row_seeds), dtype=torch.int64, device=device)
                    if row_seeds is not None and params.temperature > 0 else None)
         routes_BSLK = None
@@ -331,11 +156,13 @@ class StaticGenerator:
     def _step(self, model, cache, token_B, pos_B, cos, sin):
         fn = self._compiled() if self.compile else forward_tokens
         if not self.cuda_graphs:
-            return fn(model, cache, token_B[:, None], pos_B[:, None], cos, sin)
+            with _compile_limit():
+                return fn(model, cache, token_B[:, None], pos_B[:, None], cos, sin)
         key = (len(token_B), id(cache["valid"]))
         if key not in self.graphs:
             self.graphs = {k: v for k, v in self.graphs.items() if k[1] == key[1]}
-            self.graphs[key] = _capture(fn, model, cache, token_B, pos_B, cos, sin)
+            with _compile_limit():
+                self.graphs[key] = _capture(fn, model, cache, token_B, pos_B, cos, sin)
         graph, static_token, static_pos, out = self.graphs[key]
         static_token.copy_(token_B)
         static_pos.copy_(pos_B)
@@ -346,6 +173,12 @@ class StaticGenerator:
         if not hasattr(self, "_compiled_step"):
             self._compiled_step = torch.compile(forward_tokens, fullgraph=True, dynamic=False)
         return self._compiled_step
+
+
+def _compile_limit():
+    """Room for one compiled step per batch bucket and cache length (dynamo's default of 8
+    compilations per function is a hard error under ``fullgraph``)."""
+    return torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES)
 
 
 def _capture(fn, model, cache, token_B, pos_B, cos, sin):

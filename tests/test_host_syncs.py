@@ -183,18 +183,16 @@ def test_a_decoding_step_never_waits_for_the_host_and_compiles_as_one_graph(tiny
         sd._norm = norm
 
 
-@pytest.mark.parametrize("experts", ["grouped", "grouped, groups padded to 16", "every expert"])
+@pytest.mark.parametrize("experts", ["grouped", "every expert"])
 def test_each_experts_path_of_the_decoding_step_equals_the_model(tiny, experts, monkeypatch):
-    """The decoding step's experts as the GPU runs them (grouped_mm over groups padded to 16
-    rows), as the CPU does (unpadded) and without grouped_mm (every expert on chunks of tokens,
-    in a dtype it does not take): the model's logits within 1e-5, no host synchronisation."""
+    """The decoding step's experts as grouped_mm over the tokens sorted by expert, and without
+    grouped_mm (every expert on chunks of tokens, in a dtype it does not take): the model's
+    logits within 1e-5, no host synchronisation."""
     import megatron_gspo.rollout.static_model as sm
 
     _, _, gpt = tiny
     model = sm.StaticModel(gpt)
-    if experts == "grouped, groups padded to 16":
-        model.group_rows = 16
-    elif experts == "every expert":
+    if experts == "every expert":
         model.grouped_dtypes = ()
         monkeypatch.setattr(sm, "EVERY_EXPERT_CHUNK", 4)  # chunks of 4 of the 3 x 7 prefill
     assert model.grouped(torch.zeros(1, 64), model.layers[1].fc1) == (experts != "every expert")
@@ -285,6 +283,32 @@ def test_a_compiled_step_takes_more_shapes_than_dynamos_default():
     with _compile_limit():
         for n in shapes:
             assert torch.equal(compiled(torch.ones(n, 3)), torch.full((n,), 6.0))
+
+
+def test_past_its_compiled_shapes_the_generator_decodes_uncompiled(tiny, monkeypatch, caplog):
+    """The compiled step met in more shapes than ``COMPILED_SHAPES`` (here 1: a second batch
+    size) goes on uncompiled, with one log line, and the responses are the same."""
+    import megatron_gspo.rollout.static_decode as sd
+    from megatron_gspo.rollout.types import SamplingParams
+
+    _, _, gpt = tiny
+    monkeypatch.setattr(sd, "COMPILED_SHAPES", 1)
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, seed=2)
+    prompts = [[1, 5, 9], [1, 7, 8]]
+    eager = sd.StaticGenerator(gpt, pad_id=0)
+    compiled = sd.StaticGenerator(gpt, pad_id=0, compile=True)
+    torch._dynamo.reset()
+    compiled._compiled_step = torch.compile(sd.forward_tokens, fullgraph=True, dynamic=False,
+                                            backend="eager")  # (dynamo's tracing, no codegen)
+    with caplog.at_level("WARNING", logger=sd.__name__):
+        for n in (1, 2):
+            ours = compiled.generate(prompts, n, params)
+            theirs = eager.generate(prompts, n, params)
+            assert [s.response_ids for s in ours] == [s.response_ids for s in theirs]
+    assert not compiled.compile
+    assert [r.message for r in caplog.records].count(
+        "rollout.compile_decode: the decoding step was compiled for 1 shapes; it runs "
+        "uncompiled from here") == 1
 
 
 @pytest.mark.parametrize("readback,seed", [(1, 5), (3, 5), (3, None)])

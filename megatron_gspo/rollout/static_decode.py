@@ -7,14 +7,17 @@ step counter; unseeded rows get random seeds), each row's tokens, log-probs and 
 into device buffers; the host reads only the finished flags, every ``readback_steps`` steps, to
 stop early or to move the rows still decoding into a smaller batch bucket (a power of two: rows
 that finish inside a bucket only stop being written). The cache holds a multiple of
-``POSITION_MULTIPLE`` positions, so that a compiled step is reused across calls; CUDA graphs are
-captured per bucket over one call's cache and dropped at its end. Where ``unsupported`` names a
-reason, the engine takes the model's forward.
+``POSITION_MULTIPLE`` positions (a power of two when compiled), so that a compiled step is
+reused across calls; past ``COMPILED_SHAPES`` compilations the step runs uncompiled (one log
+line). CUDA graphs are captured per bucket over one call's cache and dropped at its end. Where
+``unsupported`` names a reason, the engine takes the model's forward.
 
 Legend: ``B`` rows, ``S`` cache positions, ``L`` MoE layers, ``K`` top-k, ``R`` new tokens.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -25,8 +28,13 @@ from megatron_gspo.rollout.types import Sample, SamplingParams, row_seed
 
 __all__ = ["StaticGenerator", "unsupported"]
 
+log = logging.getLogger(__name__)
+
 POSITION_MULTIPLE = 128  # the cache's positions are a multiple of this (shapes reused)
-COMPILED_SHAPES = 64  # compiled steps kept per generator: batch buckets x cache lengths
+COMPILED_SHAPES = 128  # compilations of the step at most (batch buckets x cache lengths)
+_LIMIT_HIT = tuple(getattr(torch._dynamo.exc, name) for name in
+                   ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+                   if hasattr(torch._dynamo.exc, name))
 
 
 class StaticGenerator:
@@ -59,7 +67,7 @@ class StaticGenerator:
         b = n_u * samples_per_prompt
         lengths_U = torch.tensor([len(p) for p in prompts], device=device)
         p_len, new = max(len(p) for p in prompts), params.max_new_tokens
-        s = -(-(p_len + new) // POSITION_MULTIPLE) * POSITION_MULTIPLE
+        s = _cache_positions(p_len + new, self.compile)
         cos, sin = rope_tables(self.gpt, s, dtype)
         # the prefill: each prompt once, from position 0, right-padded
         tokens_UP = torch.full((n_u, p_len), self.pad_id, dtype=torch.long)
@@ -154,20 +162,33 @@ class StaticGenerator:
         return tokens_BR, logp_BR, count_B, routes_BSLK
 
     def _step(self, model, cache, token_B, pos_B, cos, sin):
-        fn = self._compiled() if self.compile else forward_tokens
         if not self.cuda_graphs:
-            with _compile_limit():
-                return fn(model, cache, token_B[:, None], pos_B[:, None], cos, sin)
+            return self._call(lambda fn: fn(model, cache, token_B[:, None], pos_B[:, None],
+                                            cos, sin))
         key = (len(token_B), id(cache["valid"]))
         if key not in self.graphs:
             self.graphs = {k: v for k, v in self.graphs.items() if k[1] == key[1]}
-            with _compile_limit():
-                self.graphs[key] = _capture(fn, model, cache, token_B, pos_B, cos, sin)
+            self.graphs[key] = self._call(
+                lambda fn: _capture(fn, model, cache, token_B, pos_B, cos, sin))
         graph, static_token, static_pos, out = self.graphs[key]
         static_token.copy_(token_B)
         static_pos.copy_(pos_B)
         graph.replay()
         return out
+
+    def _call(self, run):
+        """``run(step)`` with the compiled step where asked; once dynamo has compiled it for
+        ``COMPILED_SHAPES`` shapes, with the eager step from then on."""
+        if not self.compile:
+            return run(forward_tokens)
+        try:
+            with _compile_limit():
+                return run(self._compiled())
+        except _LIMIT_HIT:
+            log.warning("rollout.compile_decode: the decoding step was compiled for %d shapes; "
+                        "it runs uncompiled from here", COMPILED_SHAPES)
+            self.compile = False
+            return run(forward_tokens)
 
     def _compiled(self):
         if not hasattr(self, "_compiled_step"):
@@ -175,10 +196,20 @@ class StaticGenerator:
         return self._compiled_step
 
 
+def _cache_positions(n: int, compiled: bool) -> int:
+    """Cache positions for ``n``: a multiple of ``POSITION_MULTIPLE``, a power of two when
+    the step is compiled (each length is a compilation)."""
+    if compiled:
+        return max(POSITION_MULTIPLE, 1 << (n - 1).bit_length())
+    return -(-n // POSITION_MULTIPLE) * POSITION_MULTIPLE
+
+
 def _compile_limit():
-    """Room for one compiled step per batch bucket and cache length (dynamo's default of 8
-    compilations per function is a hard error under ``fullgraph``)."""
-    return torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES)
+    """Room for a compiled step per batch bucket and cache length (dynamo's default of 8
+    compilations of a function is a hard error under ``fullgraph``)."""
+    config = torch._dynamo.config
+    key = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(**{key: COMPILED_SHAPES})
 
 
 def _capture(fn, model, cache, token_B, pos_B, cos, sin):

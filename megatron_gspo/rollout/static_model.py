@@ -12,8 +12,7 @@ parameters) as a fixed sequence of tensor operations on fixed shapes:
 - attention is two batched matmuls over all ``S`` cached positions with that mask;
 - a token's routed experts are the top-k of the router's fp32 logits (megatron's rule); the
   (token, expert) pairs are grouped by a stable sort with the counts kept on the device and run
-  as two ``grouped_mm`` over the experts' stacked weights (each group padded as the layer's
-  experts pad it), or, in a dtype ``grouped_mm`` does not take, every expert for chunks of
+  as two ``grouped_mm`` over the experts' stacked weights, or, in a dtype ``grouped_mm`` does not take, every expert for chunks of
   tokens weighted by the routing (memory bounded by the chunk);
 - nothing reads a value on the host (``megatron_gspo.debug.count_host_syncs`` counts 0), so a
   step can be captured as a CUDA graph and compiles as one graph (``torch.compile(fullgraph=
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from megatron_gspo.models.grouped_experts import GroupedSequentialMLP, pad_groups
+from megatron_gspo.models.grouped_experts import GroupedSequentialMLP
 from megatron_gspo.models.rope import cos_sin, rotate
 
 
@@ -52,7 +51,9 @@ def unsupported(gpt, ctx) -> Optional[str]:
             or not c.gated_linear_unit or c.activation_func is not F.silu
             or c.activation_func_clamp_value is not None or c.glu_linear_offset
             or c.normalization != "RMSNorm" or c.qk_layernorm is False
-            or c.layernorm_zero_centered_gamma):
+            or c.layernorm_zero_centered_gamma or c.window_size is not None
+            or getattr(c, "softmax_type", "vanilla") != "vanilla" or c.fp8
+            or getattr(c, "fp4", None)):
         return "a layer option this step does not mirror"
     for layer in gpt.decoder.layers:
         mlp = layer.mlp
@@ -60,7 +61,8 @@ def unsupported(gpt, ctx) -> Optional[str]:
             r = mlp.router
             if (getattr(mlp, "shared_experts", None) is not None or r.score_function != "softmax"
                     or r.expert_bias is not None or c.moe_router_num_groups
-                    or c.moe_expert_capacity_factor is not None):
+                    or c.moe_expert_capacity_factor is not None or c.moe_apply_probs_on_input
+                    or c.moe_router_dtype != "fp32"):
                 return "an MoE option this step does not mirror"
             if _expert_weights(mlp.experts) is None:
                 return "experts whose weights this step cannot read"
@@ -118,12 +120,12 @@ class StaticModel:
         self.head_dim, self.scale = a.hidden_size_per_attention_head, a.core_attention.softmax_scale
         self.top_k = c.moe_router_topk
         self.pre_softmax, self.topk_scale = c.moe_router_pre_softmax, c.moe_router_topk_scaling_factor
-        # grouped_mm as the layers' experts run it: the dtypes it takes on this device and the
-        # rows each expert's group is padded to (Transformer Engine's experts: the GPU's rule)
+        # the dtypes grouped_mm takes on this device, as the layers' experts know them
+        # (Transformer Engine's experts: the GPU's). Groups are not padded: a forward's
+        # row-major rows need no alignment along them (only the weight gradient does).
         experts = next((lay.mlp.experts for lay in gpt.decoder.layers
                         if isinstance(lay.mlp, MoELayer)), None)
         self.grouped_dtypes = getattr(experts, "grouped_dtypes", GroupedSequentialMLP.grouped_dtypes)
-        self.group_rows = getattr(experts, "group_rows", GroupedSequentialMLP.group_rows)
         self.refresh()
 
     def grouped(self, x: torch.Tensor, fc1_EHO: torch.Tensor) -> bool:
@@ -193,17 +195,13 @@ def _experts(model: StaticModel, lay: _Layer, x_NH: torch.Tensor, routes: list) 
     order = torch.argsort(flat, stable=True)  # expert-major, tokens in order within each
     rows = torch.div(order, k, rounding_mode="floor")
     x, probs = x_NH.index_select(0, rows), probs_NK.reshape(-1).index_select(0, order)
-    counts_E = torch.zeros(e, dtype=torch.long, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat))
-    back = None
-    if model.group_rows > 1:
-        x, probs, ends_E, back = pad_groups(x, probs, counts_E, model.group_rows)
-    else:
-        ends_E = counts_E.cumsum(0).to(torch.int32)
+    ends_E = torch.zeros(e, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)).cumsum(0).to(torch.int32)
     a, b = torch.chunk(F.grouped_mm(x, lay.fc1, offs=ends_E), 2, dim=-1)
     y = F.grouped_mm((F.silu(a) * b * probs.unsqueeze(-1)).to(x.dtype), lay.fc2, offs=ends_E)
-    y = y if back is None else y.index_select(0, back)
-    return x_NH.new_zeros(n, x_NH.shape[1]).index_add_(0, rows, y)
+    # back to token-major (each pair once: no atomics) and each token's k outputs summed
+    y = torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1)
+    return y.sum(1)
 
 
 EVERY_EXPERT_CHUNK = 256  # tokens per chunk of ``_every_expert``
@@ -217,8 +215,8 @@ def _every_expert(lay: _Layer, x_NH, probs_NK, ids_NK) -> torch.Tensor:
         x, ids = x_NH[i:i + EVERY_EXPERT_CHUNK], ids_NK[i:i + EVERY_EXPERT_CHUNK]
         weight_CE = torch.zeros(x.shape[0], lay.fc1.shape[0], dtype=probs_NK.dtype,
                                 device=x.device).scatter_(1, ids, probs_NK[i:i + len(x)])
-        a, b = torch.chunk(torch.einsum("ch,ehf->cef", x, lay.fc1), 2, dim=-1)
-        h = (F.silu(a) * b * weight_CE.unsqueeze(-1)).to(x.dtype)
+        a, b = torch.chunk(torch.einsum("ch,ehf->cef", x, lay.fc1).float(), 2, dim=-1)
+        h = (F.silu(a) * b * weight_CE.unsqueeze(-1)).to(x.dtype)  # (fp32: no inf x 0)
         out.append(torch.einsum("cef,efh->ch", h, lay.fc2))
     return torch.cat(out)
 

@@ -15,6 +15,9 @@ such a wait on CUDA, whatever device the tensors are on, so that a CPU test can 
   ``Tensor.cpu`` (copies to the host), and ``Tensor.to`` / ``copy_`` from a non-CPU device to the
   CPU.
 
+It sees the operators called, not what an operator's CUDA implementation does inside (an input
+check that reads a value back, for instance): a GPU profile is the final word.
+
 Usage::
 
     with count_host_syncs() as syncs:

@@ -33,9 +33,11 @@ import os
 import random
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import numpy as np
+
+from tests.sglang_standin import JSONHandler
 
 FIRST_TOKEN = 3  # ids below are left to special tokens
 
@@ -189,18 +191,7 @@ def _serve(hf_dir, ready, host, port, *, base_tokens, tail_every, tail_factor, t
             dist.broadcast(torch.empty(shape, dtype=getattr(torch, dtype)), group_src=0,
                            group=state["group"])
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def _reply(self, code, body):
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JSONHandler):
         def do_GET(self):
             if self.path == "/_events":
                 with lock:

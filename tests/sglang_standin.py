@@ -36,6 +36,22 @@ SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_
                  "sampling_seed", "n", "stop", "min_p", "ignore_eos"}
 
 
+class JSONHandler(BaseHTTPRequestHandler):
+    """A stand-in's request handler: quiet, and ``_reply(code, body)`` sends ``body`` as JSON
+    (an object to encode, or bytes as they are)."""
+
+    def log_message(self, *args):
+        pass
+
+    def _reply(self, code, body):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
 def sglang_param_shapes(cfg, tp: int, ep: int = 1) -> dict:
     """The parameters of one TP rank of SGLang 0.5.15's Qwen3-MoE (``load_format: "direct"``
     reads payloads into these, by name, sizes asserted), name -> shape, for ``--tp-size tp
@@ -338,18 +354,7 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts, host="12
         load_bucket(per_rank[0], body.get("weight_version"))
         return 200, {"success": True, "message": "updated"}
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def _reply(self, code, body, raw=False):
-            data = body.encode() if raw else json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JSONHandler):
         def _fault(self):
             if self.path.startswith("/_"):
                 return False
@@ -366,7 +371,7 @@ def _serve(hf_dir, ready, tp, deterministic, latency_s, logprob_shifts, host="12
                 self.close_connection = True
                 self.connection.shutdown(2)
             elif mode == "malformed":
-                self._reply(200, "{not json", raw=True)
+                self._reply(200, b"{not json")
             return mode is not None
 
         def _loading(self):
@@ -572,17 +577,7 @@ def _route(ready):
 
     workers, counter = [], itertools.count()
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def _reply(self, code, data: bytes):
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JSONHandler):
         def do_GET(self):
             if self.path == "/workers":
                 body = {"workers": [{"id": str(i), "url": u} for i, u in enumerate(workers)]}

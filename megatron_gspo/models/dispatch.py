@@ -17,8 +17,36 @@ that qualifies (no token dropping, every expert local).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+
+def route_top_k(x_NH: torch.Tensor, router_EH: torch.Tensor, k: int, *, pre_softmax: bool,
+                scale) -> tuple:
+    """megatron's top-k router on rows ``x``: fp32 logits, softmax then top-k
+    (``moe_router_pre_softmax``) or top-k then softmax over the k, times
+    ``moe_router_topk_scaling_factor`` when set. Returns the probabilities and expert ids
+    ``[N, K]``."""
+    logits = F.linear(x_NH.float(), router_EH.float())
+    if pre_softmax:
+        probs_NK, ids_NK = torch.softmax(logits, -1).topk(k, -1)
+    else:
+        top, ids_NK = logits.topk(k, -1)
+        probs_NK = torch.softmax(top, -1)
+    return (probs_NK * scale if scale else probs_NK), ids_NK
+
+
+def group_by_expert(ids_NK: torch.Tensor, num_experts: int) -> tuple:
+    """The (token, expert) pairs grouped expert by expert, tokens in order within each (megatron's
+    permutation), without reading the host: ``order`` (pair ids, token-major, sorted), ``rows``
+    (each sorted pair's token) and the tokens per expert ``[E]`` on the device."""
+    flat = ids_NK.reshape(-1)  # token-major
+    order = torch.argsort(flat, stable=True)
+    rows = torch.div(order, ids_NK.shape[1], rounding_mode="floor")
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    return order, rows, counts_E
 
 
 class SortTokenDispatcher(MoETokenDispatcher):
@@ -36,12 +64,7 @@ class SortTokenDispatcher(MoETokenDispatcher):
         k = self.top_k
         ids_NK = torch.sort(routing_map.to(torch.uint8), dim=1, descending=True,
                             stable=True).indices[:, :k]
-        flat = ids_NK.reshape(-1)  # token-major
-        self.order = torch.argsort(flat, stable=True)  # expert-major, tokens in order
-        self.rows = torch.div(self.order, k, rounding_mode="floor")
-        self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.long,
-                                             device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
+        self.order, self.rows, self.tokens_per_expert = group_by_expert(ids_NK, self.num_experts)
         self.permuted_probs = probs.gather(1, ids_NK).reshape(-1).index_select(0, self.order)
         return hidden, probs
 

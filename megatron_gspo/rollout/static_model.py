@@ -12,8 +12,9 @@ parameters) as a fixed sequence of tensor operations on fixed shapes:
 - attention is two batched matmuls over all ``S`` cached positions with that mask;
 - a token's routed experts are the top-k of the router's fp32 logits (megatron's rule); the
   (token, expert) pairs are grouped by a stable sort with the counts kept on the device and run
-  as two ``grouped_mm`` over the experts' stacked weights, or, in a dtype ``grouped_mm`` does not take, every expert for chunks of
-  tokens weighted by the routing (memory bounded by the chunk);
+  as two ``grouped_mm`` over the experts' stacked weights, or, in a dtype ``grouped_mm`` does
+  not take, every expert for chunks of tokens weighted by the routing (memory bounded by the
+  chunk);
 - nothing reads a value on the host (``megatron_gspo.debug.count_host_syncs`` counts 0), so a
   step can be captured as a CUDA graph and compiles as one graph (``torch.compile(fullgraph=
   True)``).
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
+from megatron_gspo.models.dispatch import group_by_expert, route_top_k
 from megatron_gspo.models.grouped_experts import GroupedSequentialMLP
 from megatron_gspo.models.rope import cos_sin, rotate
 
@@ -125,7 +127,8 @@ class StaticModel:
         # row-major rows need no alignment along them (only the weight gradient does).
         experts = next((lay.mlp.experts for lay in gpt.decoder.layers
                         if isinstance(lay.mlp, MoELayer)), None)
-        self.grouped_dtypes = getattr(experts, "grouped_dtypes", GroupedSequentialMLP.grouped_dtypes)
+        self.grouped_dtypes = getattr(experts, "grouped_dtypes",
+                                      GroupedSequentialMLP.grouped_dtypes)
         self.refresh()
 
     def grouped(self, x: torch.Tensor, fc1_EHO: torch.Tensor) -> bool:
@@ -178,25 +181,16 @@ def _norm(x, weight, eps):
 
 
 def _experts(model: StaticModel, lay: _Layer, x_NH: torch.Tensor, routes: list) -> torch.Tensor:
-    logits = F.linear(x_NH.float(), lay.router.float())
     k = model.top_k
-    if model.pre_softmax:
-        probs_NK, ids_NK = torch.softmax(logits, -1).topk(k, -1)
-    else:
-        top, ids_NK = logits.topk(k, -1)
-        probs_NK = torch.softmax(top, -1)
-    if model.topk_scale:
-        probs_NK = probs_NK * model.topk_scale
+    probs_NK, ids_NK = route_top_k(x_NH, lay.router, k, pre_softmax=model.pre_softmax,
+                                   scale=model.topk_scale)
     routes.append(ids_NK)
     if not model.grouped(x_NH, lay.fc1):
         return _every_expert(lay, x_NH, probs_NK, ids_NK)
-    n, e = ids_NK.shape[0], lay.fc1.shape[0]
-    flat = ids_NK.reshape(-1)  # token-major
-    order = torch.argsort(flat, stable=True)  # expert-major, tokens in order within each
-    rows = torch.div(order, k, rounding_mode="floor")
+    n = ids_NK.shape[0]
+    order, rows, counts_E = group_by_expert(ids_NK, lay.fc1.shape[0])
     x, probs = x_NH.index_select(0, rows), probs_NK.reshape(-1).index_select(0, order)
-    ends_E = torch.zeros(e, dtype=torch.long, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat)).cumsum(0).to(torch.int32)
+    ends_E = counts_E.cumsum(0).to(torch.int32)
     a, b = torch.chunk(F.grouped_mm(x, lay.fc1, offs=ends_E), 2, dim=-1)
     y = F.grouped_mm((F.silu(a) * b * probs.unsqueeze(-1)).to(x.dtype), lay.fc2, offs=ends_E)
     # back to token-major (each pair once: no atomics) and each token's k outputs summed

@@ -34,6 +34,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_gspo.backends.cpu.attention import decode_attention
+from megatron_gspo.models.dispatch import group_by_expert, route_top_k
 from megatron_gspo.models.grouped_experts import GroupedSequentialMLP
 from megatron_gspo.models.layers import RMSNorm, RotatedCacheSelfAttention, SDPAttention
 from megatron_gspo.models.rope import cos_sin, rotate
@@ -90,21 +91,12 @@ def _routed_experts(mlp: MoELayer, x_BH: torch.Tensor, k: int, routes: list) -> 
     rows grouped by expert through the layer's experts and combined; the rows' top-k ids appended
     to ``routes``."""
     c = mlp.config
-    logits = F.linear(x_BH.float(), mlp.router.weight.float())
-    if c.moe_router_pre_softmax:
-        probs_BK, ids_BK = torch.softmax(logits, -1).topk(k, -1)
-    else:
-        top, ids_BK = logits.topk(k, -1)
-        probs_BK = torch.softmax(top, -1)
-    if c.moe_router_topk_scaling_factor:
-        probs_BK = probs_BK * c.moe_router_topk_scaling_factor
+    probs_BK, ids_BK = route_top_k(x_BH, mlp.router.weight, k, pre_softmax=c.moe_router_pre_softmax,
+                                   scale=c.moe_router_topk_scaling_factor)
     routes.append(ids_BK)
-    flat = ids_BK.flatten()
-    order = flat.argsort(stable=True)  # the rows grouped by expert, as the dispatcher groups them
-    rows = order // k
+    order, rows, counts = group_by_expert(ids_BK, c.num_moe_experts)
     out, _ = mlp.experts(x_BH.index_select(0, rows),  # the layer's own experts (cached stacks)
-                         torch.bincount(flat, minlength=c.num_moe_experts),
-                         probs_BK.flatten().index_select(0, order))
+                         counts, probs_BK.flatten().index_select(0, order))
     return torch.zeros_like(x_BH).index_add_(0, rows, out)
 
 

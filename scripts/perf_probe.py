@@ -2,6 +2,7 @@
 
     python scripts/perf_probe.py [--model 1b|tiny] [--device cuda|cpu] [--batch 32]
                                  [--new-tokens 512] [--update-batch 8] [--update-seq 1024]
+                                 [--compile-experts]
 
 One JSON line per section (``{"section": ..., ...}``), in about 9 minutes on an H100 / H200 with
 the 1B MoE (0.31B active; ``scripts/gpu_check.py``'s shape), seeded weights:
@@ -16,7 +17,9 @@ the 1B MoE (0.31B active; ``scripts/gpu_check.py``'s shape), seeded weights:
 - ``update``: a training step on ``--update-batch`` x ``--update-seq`` tokens (forward,
   backward, Adam): ours (megatron DDP, the distributed optimizer, bf16, sort dispatch) against a
   plain transformers step (bf16 autocast, fused AdamW), model TFLOP/s (6 x active parameters x
-  tokens) and MFU against 989 TFLOP/s (H100 / H200 dense bf16);
+  tokens) and MFU against 989 TFLOP/s (H100 / H200 dense bf16); with ``--compile-experts``
+  also ours with the grouped experts compiled (``backend.compile_experts``; its compilation
+  before the timed steps; the profile then takes the compiled step);
 - ``profile``: kernels and device-busy share of one update step (its micro-batch's forward,
   backward and Adam) and of a prefill with 5 decoding steps;
 - ``memory``: peak memory.
@@ -127,6 +130,7 @@ def rollout_rates(gpt, hf, ctx, args, prompts) -> dict:
 
 def update_rates(gpt, hf, m, ctx, args) -> tuple:
     from megatron_gspo.algorithms.logprobs import token_logprobs
+    from megatron_gspo.models.grouped_experts import compile_grouped_experts
     from megatron_gspo.trainer.optim import OptimConfig, wrap_and_build_optimizer
 
     _, active = param_counts(m)
@@ -158,9 +162,19 @@ def update_rates(gpt, hf, m, ctx, args) -> tuple:
         (-logp.mean()).backward()
         hf_opt.step()
 
+    def ours_compiled():  # (the profile below then takes this step too)
+        if not any(getattr(m, "compiled", None) for m in gpt.modules()):
+            if not compile_grouped_experts(gpt):
+                raise SystemExit("perf_probe: --compile-experts: no layer runs the grouped "
+                                 "experts")
+        ours()
+
     flops = 6 * active * x.numel()
     out = {}
-    for name, fn in (("ours", ours), ("hf", theirs)):
+    runs = [("ours", ours), ("hf", theirs)]
+    if args.compile_experts:
+        runs.append(("ours_compiled", ours_compiled))
+    for name, fn in runs:
         fn()
         seconds = timed(fn, ctx.device, repeats=3)
         out[f"{name}_s"] = seconds
@@ -219,6 +233,8 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--update-batch", type=int, default=8)
     p.add_argument("--update-seq", type=int, default=1024)
+    p.add_argument("--compile-experts", action="store_true",
+                   help="also time the update with the grouped experts compiled")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -247,8 +263,9 @@ def main() -> None:
                              else None))
     best_ours = max(v for k, v in rollout.items() if k.startswith("ours"))
     best_hf = max(v for k, v in rollout.items() if k.startswith("hf"))
+    ours_s = min(v for k, v in update.items() if k.startswith("ours") and k.endswith("_s"))
     print(f"ours vs HF: rollout {best_ours / best_hf:.2f}x, update "
-          f"{update['hf_s'] / update['ours_s']:.2f}x")
+          f"{update['hf_s'] / ours_s:.2f}x")
 
 
 if __name__ == "__main__":

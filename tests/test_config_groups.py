@@ -201,6 +201,9 @@ INVALID = [  # (overrides, key the message must name)
     (["rollout.mode=one_step_off", "rollout.dynamic_sampling=true",
       "algo.rollout_correction=decoupled"], "rollout.dynamic_sampling"),
     (["rollout.partial_segment_tokens=-1"], "rollout.partial_segment_tokens"),
+    (["backend.compile_experts=true"], "backend.compile_experts"),  # on the CPU backend
+    (["backend.compile_experts=true", "backend.grouped_experts=false", "parallel.device=cuda"],
+     "backend.compile_experts"),  # nothing to compile
 ]
 
 

@@ -62,6 +62,11 @@ class JobConfig:
             raise invalid("rollout.cuda_graphs", True, "captures CUDA graphs of the GPU decoding "
                           f"step, and parallel.device={self.parallel.device}",
                           "set parallel.device=cuda (a GPU recipe) or rollout.cuda_graphs=false")
+        if self.backend.compile_experts and self.parallel.device != "cuda":
+            raise invalid("backend.compile_experts", True, "compiles the GPU backend's grouped "
+                          f"experts (bf16), and parallel.device={self.parallel.device} (the CPU "
+                          "backend runs its experts through its own kernel)",
+                          "set parallel.device=cuda (a GPU recipe) or backend.compile_experts=false")
         if self.rollout.mode != "sync" and self.algo.rollout_correction == "none":
             raise invalid("rollout.mode", self.rollout.mode, "trains on samples of older policies, "
                           "which need an off-policy correction",

@@ -168,7 +168,15 @@ class BackendConfig:
     # OpenMP thread; megatron_gspo/backends/cpu/kernels.py); where it cannot be built, or with
     # false, the PyTorch loop over the experts runs instead (same results, slower).
     cpu_experts_kernel: bool = True
+    # On GPUs, the grouped experts under torch.compile: group padding, both grouped matmuls,
+    # SwiGLU and the routing weights as one graph, the token count dynamic (one compilation for
+    # every micro-batch length; the first training step pays it). Off: eager.
+    compile_experts: bool = False
 
     def validate(self) -> "BackendConfig":
+        if self.compile_experts and not self.grouped_experts:
+            raise invalid("backend.compile_experts", True, "compiles the grouped experts, and "
+                          "backend.grouped_experts=false runs Megatron's loop over them",
+                          "set backend.grouped_experts=true or backend.compile_experts=false")
         return self
 

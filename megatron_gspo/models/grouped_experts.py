@@ -16,6 +16,10 @@ otherwise the parent's loop runs.
 On CUDA each expert's rows are padded to a multiple of ``group_rows`` (``pad_groups``) for
 grouped_mm's bf16 backward on Hopper. The CPU backend's subclass (``backends.cpu.experts``) runs
 fp32 SwiGLU experts through its own autograd function and C++ kernel.
+
+The math is one pure function (``grouped_experts``), which ``compile_grouped_experts``
+(``backend.compile_experts``) puts under ``torch.compile`` as one graph with the token count
+dynamic: a compilation with autograd and one without serve every micro-batch length.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ class GroupedSequentialMLP(SequentialMLP):
     group_rows = 16
     # The dtypes grouped_mm takes on this backend's device (None: every float type).
     grouped_dtypes = (torch.bfloat16,)
+    # ``compile_grouped_experts``: the compiled ``grouped_experts`` (None: eager).
+    compiled = None
 
     def _stacked_weights(self):
         """[E, in, out] stacks of the experts' fc1 and fc2 weights, transposed: made in every
@@ -98,30 +104,60 @@ class GroupedSequentialMLP(SequentialMLP):
         return self.grouped_forward(x, tokens_per_expert, permuted_probs)
 
     def grouped_forward(self, x, tokens_per_expert, permuted_probs):
-        """The local experts as two grouped matmuls (fc1, the activation, fc2)."""
+        """The local experts as two grouped matmuls (fc1, the activation, fc2), compiled where
+        ``compile_grouped_experts`` asked for it."""
         counts = torch.as_tensor(tokens_per_expert, device=x.device)
-        rows_T = None
-        if self.group_rows > 1:
-            x, permuted_probs, offsets, rows_T = pad_groups(x, permuted_probs, counts,
-                                                            self.group_rows)
-        else:
-            offsets = counts.cumsum(0).to(torch.int32)
         w1, w2 = self._stacked_weights()
-        h = grouped_linear(x, w1, offsets)
-        c = self.config
-        if c.gated_linear_unit:  # as mlp.MLP's unfused path
-            h_glu, h_lin = torch.chunk(h, 2, dim=-1)
-            if (val := c.activation_func_clamp_value) is not None:
-                h_glu = h_glu.clamp(min=None, max=val)
-                h_lin = h_lin.clamp(min=-val, max=val)
-            if c.glu_linear_offset:  # (adding 0.0 costs a full pass over h for nothing)
-                h_lin = h_lin + c.glu_linear_offset
-            h = c.activation_func(h_glu) * h_lin
-        else:
-            h = c.activation_func(h)
-        h = (h * permuted_probs.unsqueeze(-1)).to(x.dtype)
-        out = grouped_linear(h, w2, offsets)
-        return (out if rows_T is None else out.index_select(0, rows_T)), None
+        run = grouped_experts
+        if self.compiled is not None:
+            run = self.compiled
+            for t in (x, permuted_probs):  # one compilation for every token count
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        return run(x, permuted_probs, counts, w1, w2, group_rows=self.group_rows,
+                   config=self.config), None
+
+
+def grouped_experts(x_TH, probs_T, counts_E, w1_EHF, w2_EFH, *, group_rows: int, config):
+    """Rows grouped by expert (``counts``) through each expert's MLP as two grouped matmuls, the
+    gated activation and the routing probabilities as in Megatron's unfused MLP path (``mlp.py``:
+    GLU, then ``per_token_scale``); rows padded per group to ``group_rows`` when it is over 1
+    (``pad_groups``). A pure function of tensors (and the config's activation), so that
+    ``torch.compile`` takes it whole."""
+    x, probs, rows_T = x_TH, probs_T, None
+    if group_rows > 1:
+        x, probs, offsets, rows_T = pad_groups(x, probs, counts_E, group_rows)
+    else:
+        offsets = counts_E.cumsum(0).to(torch.int32)
+    h = grouped_linear(x, w1_EHF, offsets)
+    c = config
+    if c.gated_linear_unit:  # as mlp.MLP's unfused path
+        h_glu, h_lin = torch.chunk(h, 2, dim=-1)
+        if (val := c.activation_func_clamp_value) is not None:
+            h_glu = h_glu.clamp(min=None, max=val)
+            h_lin = h_lin.clamp(min=-val, max=val)
+        if c.glu_linear_offset:  # (adding 0.0 costs a full pass over h for nothing)
+            h_lin = h_lin + c.glu_linear_offset
+        h = c.activation_func(h_glu) * h_lin
+    else:
+        h = c.activation_func(h)
+    h = (h * probs.unsqueeze(-1)).to(x.dtype)
+    out = grouped_linear(h, w2_EFH, offsets)
+    return out if rows_T is None else out.index_select(0, rows_T)
+
+
+def compile_grouped_experts(model, backend: str = "inductor") -> int:
+    """``torch.compile`` the grouped experts of every layer of ``model`` that runs them
+    (``backend.compile_experts``): the group padding, both grouped matmuls, the activation and
+    the routing weights as one graph (``fullgraph``: a break is an error, not a slow path), the
+    token count dynamic, so one compilation serves every micro-batch length. Returns how many
+    layers take it (0: none runs ``GroupedSequentialMLP``'s grouped forward, e.g. Transformer
+    Engine's layers, or ``backend.grouped_experts=false``)."""
+    layers = [m for m in model.modules() if isinstance(m, GroupedSequentialMLP)]
+    if layers:
+        compiled = torch.compile(grouped_experts, fullgraph=True, backend=backend)
+        for m in layers:
+            m.compiled = compiled
+    return len(layers)
 
 
 def pad_groups(x_TH: torch.Tensor, probs_T: torch.Tensor, counts_E: torch.Tensor, multiple: int):

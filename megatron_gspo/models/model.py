@@ -14,10 +14,11 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_gspo.backends import Backend, backend_for
-from megatron_gspo.config import BackendConfig, ModelConfig
+from megatron_gspo.config import BackendConfig, ModelConfig, invalid
 from megatron_gspo.distributed.parallel import ParallelContext
 from megatron_gspo.models import rope, router_losses, te
 from megatron_gspo.models.dispatch import use_sort_dispatch
+from megatron_gspo.models.grouped_experts import compile_grouped_experts
 from megatron_gspo.models.layers import RotatedCacheSelfAttention
 
 
@@ -156,6 +157,9 @@ def build_model(model: ModelConfig, ctx: ParallelContext, *,
             m.cpu_kernel = kernels.cpu_experts_kernel
     if backend.sort_dispatch:
         use_sort_dispatch(gpt, ctx)
+    if kernels.compile_experts and model.is_moe and not compile_grouped_experts(gpt):
+        raise invalid("backend.compile_experts", True, f"no layer runs the grouped experts "
+                      f"({backend.layers()})", "set backend.compile_experts=false")
     return gpt.to(ctx.device)
 
 

@@ -2,7 +2,7 @@
 
     python scripts/perf_probe.py [--model 1b|tiny] [--device cuda|cpu] [--batch 32]
                                  [--new-tokens 512] [--update-batch 8] [--update-seq 1024]
-                                 [--compile-experts]
+                                 [--compile-decode] [--compile-experts]
 
 One JSON line per section (``{"section": ..., ...}``), in about 9 minutes on an H100 / H200 with
 the 1B MoE (0.31B active; ``scripts/gpu_check.py``'s shape), seeded weights:
@@ -12,8 +12,10 @@ the 1B MoE (0.31B active; ``scripts/gpu_check.py``'s shape), seeded weights:
   export of the same weights (largest difference);
 - ``rollout``: generated tokens/s at ``--batch`` rows x ``--new-tokens`` tokens: ours through
   the engine as it was (megatron's forward on a GPU), through the static decoder (no host
-  synchronisation per step) and with its CUDA graphs; transformers' ``generate`` with its
-  dynamic cache and with its static cache;
+  synchronisation per step) and with its CUDA graphs (their captures counted: the engine makes
+  them within each call and drops them after it); transformers' ``generate`` with its dynamic
+  cache and with its static cache; with ``--compile-decode`` also the static decoder compiled
+  (``rollout.compile_decode``, with CUDA graphs on a GPU);
 - ``update``: a training step on ``--update-batch`` x ``--update-seq`` tokens (forward,
   backward, Adam): ours (megatron DDP, the distributed optimizer, bf16, sort dispatch) against a
   plain transformers step (bf16 autocast, fused AdamW), model TFLOP/s (6 x active parameters x
@@ -112,9 +114,15 @@ def rollout_rates(gpt, hf, ctx, args, prompts) -> dict:
     if ctx.device.type == "cuda":
         engines["ours_cuda_graphs"] = LocalEngine(
             gpt, ctx, pad_id=0, static=StaticGenerator(gpt, pad_id=0, cuda_graphs=True))
-    warm = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
+    if args.compile_decode:  # (rollout.compile_decode, with the CUDA graphs where they run)
+        graphs = ctx.device.type == "cuda"
+        engines["ours_compiled" + ("_cuda_graphs" if graphs else "")] = LocalEngine(
+            gpt, ctx, pad_id=0, static=StaticGenerator(gpt, pad_id=0, compile=True,
+                                                       cuda_graphs=graphs))
+    short = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
     for name, engine in engines.items():  # (CUDA graphs are captured within each call)
-        engine.generate(prompts, 1, warm)
+        # warm-up; a compiled step's on the timed shapes (it compiles for its cache's length)
+        engine.generate(prompts, 1, params if "compiled" in name else short)
         out[name] = tokens / timed(lambda: engine.generate(prompts, 1, params), ctx.device)
     ids = torch.tensor(prompts, device=ctx.device)
     for name, extra in (("hf_dynamic_cache", {}), ("hf_static_cache",
@@ -233,6 +241,8 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--update-batch", type=int, default=8)
     p.add_argument("--update-seq", type=int, default=1024)
+    p.add_argument("--compile-decode", action="store_true",
+                   help="also time the static decoder compiled (rollout.compile_decode)")
     p.add_argument("--compile-experts", action="store_true",
                    help="also time the update with the grouped experts compiled")
     args = p.parse_args()

@@ -147,13 +147,14 @@ def test_a_process_that_exits_with_its_world_up_tears_it_down_first():
 
 def test_the_perf_probe_runs_every_section_on_cpu():
     """scripts/perf_probe.py (the one-GPU probe) on CPU with the tiny model: one JSON line per
-    section (launch, parity with transformers, rollout, update (with the experts compiled
-    too), profile, memory), then the summary line."""
+    section (launch, parity with transformers, rollout (the static decoder compiled too),
+    update (the experts compiled too), profile, memory), then the summary line."""
     import json
 
     out = subprocess.run([sys.executable, "scripts/perf_probe.py", "--device", "cpu", "--model",
                           "tiny", "--batch", "3", "--new-tokens", "5", "--prompt-tokens", "4",
-                          "--update-batch", "2", "--update-seq", "8", "--compile-experts"], cwd=ROOT,
+                          "--update-batch", "2", "--update-seq", "8", "--compile-decode",
+                          "--compile-experts"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -162,7 +163,7 @@ def test_the_perf_probe_runs_every_section_on_cpu():
                                              "memory"]
     assert lines[1]["max_abs_logit_diff"] < 1e-4  # the same weights in transformers
     assert {"ours_as_is_tokens_per_s", "ours_static_tokens_per_s", "hf_dynamic_cache_tokens_per_s",
-            "hf_static_cache_tokens_per_s"} <= set(lines[2])
+            "hf_static_cache_tokens_per_s", "ours_compiled_tokens_per_s"} <= set(lines[2])
     assert {"ours_tflops", "hf_tflops", "ours_compiled_tflops"} <= set(lines[3])
     assert {"update_step_kernels", "update_busy_share", "decode_5_steps_kernels",
             "decode_busy_share"} <= set(lines[4])

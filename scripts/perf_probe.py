@@ -52,8 +52,17 @@ from megatron_gspo.config import ModelConfig, ParallelConfig  # noqa: E402
 PEAK_TFLOPS = 989.0  # H100 / H200 SXM, dense bf16
 
 
+START = time.perf_counter()
+
+
 def emit(section: str, **fields) -> None:
     print(json.dumps({"section": section, **fields}), flush=True)
+
+
+def note(what: str) -> None:
+    """One progress line on stderr as each measurement ends (a run stopped by a time limit
+    still shows what it measured)."""
+    print(f"perf_probe [{time.perf_counter() - START:.0f} s]: {what}", file=sys.stderr, flush=True)
 
 
 def sync(device) -> None:
@@ -124,6 +133,7 @@ def rollout_rates(gpt, hf, ctx, args, prompts) -> dict:
         # warm-up; a compiled step's on the timed shapes (it compiles for its cache's length)
         engine.generate(prompts, 1, params if "compiled" in name else short)
         out[name] = tokens / timed(lambda: engine.generate(prompts, 1, params), ctx.device)
+        note(f"rollout {name}: {out[name]:.0f} tokens/s")
     ids = torch.tensor(prompts, device=ctx.device)
     for name, extra in (("hf_dynamic_cache", {}), ("hf_static_cache",
                                                    {"cache_implementation": "static"})):
@@ -133,6 +143,7 @@ def rollout_rates(gpt, hf, ctx, args, prompts) -> dict:
             # the static cache compiles its forward for the cache's shape: warm up on that shape
             hf.generate(ids, **(kw if extra else dict(kw, max_new_tokens=4, min_new_tokens=4)))
             out[name] = tokens / timed(lambda: hf.generate(ids, **kw), ctx.device)
+        note(f"rollout {name}: {out[name]:.0f} tokens/s")
     return {f"{k}_tokens_per_s": v for k, v in out.items()}
 
 
@@ -188,6 +199,7 @@ def update_rates(gpt, hf, m, ctx, args) -> tuple:
         out[f"{name}_s"] = seconds
         out[f"{name}_tflops"] = flops / seconds / 1e12
         out[f"{name}_mfu"] = out[f"{name}_tflops"] / PEAK_TFLOPS
+        note(f"update {name}: {out[f'{name}_tflops']:.1f} TFLOP/s")
     gpt.eval()
     hf.eval()
     return out, ours

@@ -11,14 +11,7 @@ import warnings
 import pytest
 import torch
 
-
-def _model_config():
-    from megatron_gspo.config import ModelConfig
-
-    return ModelConfig(vocab_size=128, hidden_size=64, num_layers=3, num_attention_heads=4,
-                       num_query_groups=2, head_dim=16, ffn_hidden_size=128,
-                       moe_ffn_hidden_size=32, num_experts=8, top_k=2, first_k_dense=1,
-                       init_method_std=0.1)
+from tests.test_host_syncs import tiny_moe_config
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +23,7 @@ def gpt():
     from megatron_gspo.models.hf_mapping import load_hf_weights
     from megatron_gspo.models.model import build_model
 
-    m = _model_config()
+    m = tiny_moe_config()
     ctx = init_parallel(ParallelConfig(), m, seed=0)
     gpt = build_model(m, ctx)
     load_hf_weights(gpt, SeededTensors(m, 5), m, ctx)
@@ -109,7 +102,7 @@ def test_a_model_built_with_the_flag_compiles_each_moe_layer(gpt):
     from megatron_gspo.models.model import build_model
 
     ctx, _ = gpt
-    m = _model_config()
+    m = tiny_moe_config()
     built = build_model(m, ctx, kernels=BackendConfig(compile_experts=True))
     experts = [e for e in built.modules() if isinstance(e, GroupedSequentialMLP)]
     assert len(experts) == 2 and all(e.compiled is not None for e in experts)
@@ -124,7 +117,7 @@ def test_a_training_step_with_compiled_experts_equals_eager(gpt):
     experts' ``main_grad`` through the compiled graph and their hooks): one update with the
     experts compiled against one without, from the same weights on the same tokens."""
     from megatron_gspo.algorithms.logprobs import token_logprobs
-    from megatron_gspo.config import BackendConfig, ModelConfig
+    from megatron_gspo.config import BackendConfig
     from megatron_gspo.models.grouped_experts import GroupedSequentialMLP
     from megatron_gspo.models.hf_io import SeededTensors
     from megatron_gspo.models.hf_mapping import load_hf_weights
@@ -132,7 +125,7 @@ def test_a_training_step_with_compiled_experts_equals_eager(gpt):
     from megatron_gspo.trainer.optim import OptimConfig, wrap_and_build_optimizer
 
     ctx, _ = gpt
-    m = ModelConfig(**{**_model_config().__dict__, "params_dtype": "bfloat16"})
+    m = tiny_moe_config(params_dtype="bfloat16")
     tokens = torch.randint(3, 128, (2, 17), generator=torch.Generator().manual_seed(4))
     x, y = tokens[:, :-1], tokens[:, 1:]
     pos = torch.arange(16).expand_as(x)

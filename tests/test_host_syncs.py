@@ -66,20 +66,29 @@ def test_the_log_prob_loss_never_waits_for_the_host(algo):
     assert logits.grad is not None and torch.isfinite(logits.grad).all()
 
 
+def tiny_moe_config(**overrides):
+    """The 1B shape's structure at small widths: a dense first layer, GQA, top-2 of 8 experts
+    (the model of the host-sync, compiled-experts and GPU-path tests)."""
+    from megatron_gspo.config import ModelConfig
+
+    return ModelConfig(**{**dict(
+        vocab_size=128, hidden_size=64, num_layers=3, num_attention_heads=4, num_query_groups=2,
+        head_dim=16, ffn_hidden_size=128, moe_ffn_hidden_size=32, num_experts=8, top_k=2,
+        first_k_dense=1, init_method_std=0.1), **overrides})
+
+
 @pytest.fixture(scope="module")
 def tiny():
     """A whole MoE model on one rank (the 1B shape's structure at small widths: a dense first
     layer, GQA, top-k of more experts than k), seeded weights."""
     warnings.filterwarnings("ignore")
-    from megatron_gspo.config import ModelConfig, ParallelConfig
+    from megatron_gspo.config import ParallelConfig
     from megatron_gspo.distributed.parallel import destroy_parallel, init_parallel
     from megatron_gspo.models.hf_io import SeededTensors
     from megatron_gspo.models.hf_mapping import load_hf_weights
     from megatron_gspo.models.model import build_model
 
-    m = ModelConfig(vocab_size=128, hidden_size=64, num_layers=3, num_attention_heads=4,
-                    num_query_groups=2, head_dim=16, ffn_hidden_size=128, moe_ffn_hidden_size=32,
-                    num_experts=8, top_k=2, first_k_dense=1, init_method_std=0.1)
+    m = tiny_moe_config()
     ctx = init_parallel(ParallelConfig(), m, seed=0)
     gpt = build_model(m, ctx, moe_enable_routing_replay=True)
     load_hf_weights(gpt, SeededTensors(m, 3), m, ctx)

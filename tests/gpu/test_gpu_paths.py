@@ -14,6 +14,8 @@ import warnings
 import pytest
 import torch
 
+from tests.test_host_syncs import tiny_moe_config
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -36,16 +38,13 @@ def tiny():
     """The 1B shape's structure at small widths (a dense first layer, GQA, top-2 of 8 experts),
     bf16, built by the GPU backend (sort dispatcher, grouped experts), seeded weights."""
     warnings.filterwarnings("ignore")
-    from megatron_gspo.config import ModelConfig, ParallelConfig
+    from megatron_gspo.config import ParallelConfig
     from megatron_gspo.distributed.parallel import destroy_parallel, init_parallel
     from megatron_gspo.models.hf_io import SeededTensors
     from megatron_gspo.models.hf_mapping import load_hf_weights
     from megatron_gspo.models.model import build_model
 
-    m = ModelConfig(vocab_size=128, hidden_size=64, num_layers=3, num_attention_heads=4,
-                    num_query_groups=2, head_dim=16, ffn_hidden_size=128, moe_ffn_hidden_size=32,
-                    num_experts=8, top_k=2, first_k_dense=1, init_method_std=0.1,
-                    params_dtype="bfloat16")
+    m = tiny_moe_config(params_dtype="bfloat16")
     ctx = init_parallel(ParallelConfig(device=DEVICE), m, seed=0)
     gpt = build_model(m, ctx)
     load_hf_weights(gpt, SeededTensors(m, 3), m, ctx)

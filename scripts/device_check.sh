@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # One-GPU proof of the cluster path (NCCL, bf16, every collective of an RL step on a one-rank
-# world), in about 5 minutes on one NVIDIA GPU with Python 3.12 and torch preinstalled, offline:
+# world) and one GPU's figures against transformers, on one NVIDIA GPU with Python 3.12 and
+# torch preinstalled, offline:
 #
 #   bash scripts/device_check.sh [WHEEL_DIR]      (default: ./wheels)
 #   DEVICE_CHECK_STEPS="main job,recipe path" bash scripts/device_check.sh WHEEL_DIR   (a subset)
 #
-# The steps' own limits add up to about 21 minutes: where one command may run 10 minutes at
-# most, run them in calls of DEVICE_CHECK_STEPS (the names of the "== NAME" lines, comma
-# separated): "main job,recipe path,grouped experts" (570 s of limits), "variants,rl step 1b,
-# gpu check" (470 s) and "gpu tests" (240 s).
+# The steps' own limits add up to about 27 minutes. Where one command may run 10 minutes at
+# most, run named steps with DEVICE_CHECK_STEPS (the names of the "== NAME" lines, comma
+# separated), most telling first. With 15 minutes of a lent GPU, its start included:
+#   1. "perf probe,gpu tests" (570 s of limits): the one-GPU figures against transformers and
+#      the GPU-only paths (no host syncs, CUDA graphs, compiled experts);
+#   2. at once, on the machine still warm: "main job,grouped experts" (330 s);
+#   3. in a later lease: "recipe path,variants" (440 s), then "rl step 1b,gpu check" (270 s).
 #
 # WHEEL_DIR holds what the GPU image lacks (the versions of docker/requirements.txt), made beforehand
 # on a connected machine with ONE command (3.2 MB; no Transformer Engine: the local layer spec runs
@@ -19,12 +23,21 @@
 #     megatron-core==0.16.1 hydra-core==1.3.8 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 \
 #     math-verify==0.9.0 latex2sympy2_extended==1.11.0 hydra-submitit-launcher==1.2.0 submitit==1.5.4
 #
-# Steps: the main job on the GPU in bf16 (20 RL steps of the tiny model, world size 1 under
-# NCCL); the cluster recipe's trainer path (torchrun, parallel.device=cuda, a HF checkpoint,
-# full activation recompute, dp_reshardable checkpoints and a resume); the grouped-GEMM experts against Megatron's SequentialMLP in bf16; 3 RL steps each of GRPO+R2, GRPO+R3 with token TIS, GSPO-token with dynamic sampling and
-# masked overlong responses, GSPO with seq MIS and the HF export at the end; one RL step of a ~1B-parameter MoE with 512-token responses (tokens/s and model TFLOP/s
-# of the update phase); scripts/gpu_check.py (forward+backward throughput of the same model); the
-# tests marked gpu. Each step's output also goes to DEVICE_CHECK_LOG_DIR/STEP.log when it is set.
+# Steps, in this order:
+# - "perf probe": scripts/perf_probe.py, the 1B MoE's update MFU and rollout tokens/s against
+#   transformers on the same weights, the compiled experts too (its progress lines keep what it
+#   measured if the limit stops it);
+# - "main job": 20 RL steps of the tiny model in bf16, world size 1 under NCCL;
+# - "recipe path": the cluster recipe's trainer path (torchrun, parallel.device=cuda, a HF
+#   checkpoint, full activation recompute, dp_reshardable checkpoints and a resume);
+# - "grouped experts": the grouped-GEMM experts against Megatron's SequentialMLP in bf16;
+# - "variants": 3 RL steps each of GRPO+R2, GRPO+R3 with token TIS, GSPO-token with dynamic
+#   sampling and masked overlong responses, GSPO with seq MIS and the HF export at the end;
+# - "rl step 1b": one RL step of a ~1B-parameter MoE with 512-token responses (tokens/s and
+#   model TFLOP/s of the update phase);
+# - "gpu check": scripts/gpu_check.py (forward+backward throughput of the same model);
+# - "gpu tests": the tests marked gpu.
+# Each step's output also goes to DEVICE_CHECK_LOG_DIR/STEP.log when it is set.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 wheels=${1:-wheels}
@@ -121,6 +134,7 @@ PY
 }
 export -f recipe_path
 
+step "perf probe" 360 python3 scripts/perf_probe.py --compile-experts   # JSON lines, ours vs HF
 step "main job" 240 main_job   # tiny MoE, bf16, 20 RL steps, NCCL world of one
 step "recipe path" 240 recipe_path   # the cluster recipe's trainer settings, resumed once
 step "grouped experts" 90 python3 -c "
@@ -132,7 +146,7 @@ assert r['paths'] == ['grouped'] and max(r['out'], r['dx'], r['dw']) < 2e-2, r"
 step "variants" 200 variants
 step "rl step 1b" 150 python3 scripts/rl_step_1b.py --response 512   # ~1B MoE, 512-token responses
 step "gpu check" 120 python3 scripts/gpu_check.py --steps 5 --warmup 2 --batch 4 --seq 2048
-step "gpu tests" 240 python3 -m pytest -q -m gpu tests/gpu
+step "gpu tests" 210 python3 -m pytest -q -m gpu tests/gpu
 
 echo
 if [ -n "$only" ] && [ "$ran" -eq 0 ]; then echo "device check: no step named in DEVICE_CHECK_STEPS=$only"; exit 2; fi

@@ -10,18 +10,20 @@ the 1B MoE (0.31B active; ``scripts/gpu_check.py``'s shape), seeded weights:
 - ``launch``: microseconds per kernel launch (a tiny add, queued) and per host synchronisation;
 - ``parity``: our model's logits against transformers' ``Qwen3MoeForCausalLM`` loaded from our
   export of the same weights (largest difference);
+- ``update``: a training step on ``--update-batch`` x ``--update-seq`` tokens (forward,
+  backward, Adam): ours (megatron DDP, the distributed optimizer, bf16, sort dispatch) against a
+  plain transformers step (bf16 autocast, fused AdamW), model TFLOP/s (6 x active parameters x
+  tokens) and MFU against 989 TFLOP/s (H100 / H200 dense bf16); with ``--compile-experts``
+  also ours with the grouped experts compiled (``backend.compile_experts``; its compilation
+  before the timed steps; the sections after it run the eager experts again). It comes before
+  the rollout (the slower measurement), so a run stopped by a time limit keeps both goals'
+  figures as long as it can;
 - ``rollout``: generated tokens/s at ``--batch`` rows x ``--new-tokens`` tokens: ours through
   the engine as it was (megatron's forward on a GPU), through the static decoder (no host
   synchronisation per step) and with its CUDA graphs (their captures counted: the engine makes
   them within each call and drops them after it); transformers' ``generate`` with its dynamic
   cache and with its static cache; with ``--compile-decode`` also the static decoder compiled
   (``rollout.compile_decode``, with CUDA graphs on a GPU);
-- ``update``: a training step on ``--update-batch`` x ``--update-seq`` tokens (forward,
-  backward, Adam): ours (megatron DDP, the distributed optimizer, bf16, sort dispatch) against a
-  plain transformers step (bf16 autocast, fused AdamW), model TFLOP/s (6 x active parameters x
-  tokens) and MFU against 989 TFLOP/s (H100 / H200 dense bf16); with ``--compile-experts``
-  also ours with the grouped experts compiled (``backend.compile_experts``; its compilation
-  before the timed steps; the profile then takes the compiled step);
 - ``profile``: kernels and device-busy share of one update step (its micro-batch's forward,
   backward and Adam) and of a prefill with 5 decoding steps;
 - ``memory``: peak memory.
@@ -117,8 +119,9 @@ def rollout_rates(gpt, hf, ctx, args, prompts) -> dict:
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=1)
     tokens = len(prompts) * args.new_tokens
     out = {}
-    engines = {"ours_as_is": LocalEngine(gpt, ctx, pad_id=0),
-               "ours_static": LocalEngine(gpt, ctx, pad_id=0,
+    # (the engine as it was comes last: the slowest, and measured before, so a run stopped by a
+    # time limit loses it first)
+    engines = {"ours_static": LocalEngine(gpt, ctx, pad_id=0,
                                           static=StaticGenerator(gpt, pad_id=0))}
     if ctx.device.type == "cuda":
         engines["ours_cuda_graphs"] = LocalEngine(
@@ -129,11 +132,15 @@ def rollout_rates(gpt, hf, ctx, args, prompts) -> dict:
             gpt, ctx, pad_id=0, static=StaticGenerator(gpt, pad_id=0, compile=True,
                                                        cuda_graphs=graphs))
     short = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
-    for name, engine in engines.items():  # (CUDA graphs are captured within each call)
+
+    def measure(name, engine):  # (CUDA graphs are captured within each call)
         # warm-up; a compiled step's on the timed shapes (it compiles for its cache's length)
         engine.generate(prompts, 1, params if "compiled" in name else short)
         out[name] = tokens / timed(lambda: engine.generate(prompts, 1, params), ctx.device)
         note(f"rollout {name}: {out[name]:.0f} tokens/s")
+
+    for name, engine in engines.items():
+        measure(name, engine)
     ids = torch.tensor(prompts, device=ctx.device)
     for name, extra in (("hf_dynamic_cache", {}), ("hf_static_cache",
                                                    {"cache_implementation": "static"})):
@@ -144,6 +151,7 @@ def rollout_rates(gpt, hf, ctx, args, prompts) -> dict:
             hf.generate(ids, **(kw if extra else dict(kw, max_new_tokens=4, min_new_tokens=4)))
             out[name] = tokens / timed(lambda: hf.generate(ids, **kw), ctx.device)
         note(f"rollout {name}: {out[name]:.0f} tokens/s")
+    measure("ours_as_is", LocalEngine(gpt, ctx, pad_id=0))
     return {f"{k}_tokens_per_s": v for k, v in out.items()}
 
 
@@ -181,7 +189,7 @@ def update_rates(gpt, hf, m, ctx, args) -> tuple:
         (-logp.mean()).backward()
         hf_opt.step()
 
-    def ours_compiled():  # (the profile below then takes this step too)
+    def ours_compiled():
         if not any(getattr(m, "compiled", None) for m in gpt.modules()):
             if not compile_grouped_experts(gpt):
                 raise SystemExit("perf_probe: --compile-experts: no layer runs the grouped "
@@ -200,6 +208,9 @@ def update_rates(gpt, hf, m, ctx, args) -> tuple:
         out[f"{name}_tflops"] = flops / seconds / 1e12
         out[f"{name}_mfu"] = out[f"{name}_tflops"] / PEAK_TFLOPS
         note(f"update {name}: {out[f'{name}_tflops']:.1f} TFLOP/s")
+    for layer in gpt.modules():  # the rollout and the profile after this run the eager experts
+        if getattr(layer, "compiled", None) is not None:
+            layer.compiled = None
     gpt.eval()
     hf.eval()
     return out, ours
@@ -276,10 +287,12 @@ def main() -> None:
     emit("parity", max_abs_logit_diff=float((ours.float() - theirs.float()).abs().max()))
     prompts = torch.randint(3, m.vocab_size, (args.batch, args.prompt_tokens),
                             generator=g).tolist()
-    rollout = rollout_rates(gpt, hf, ctx, args, prompts)
-    emit("rollout", batch=args.batch, new_tokens=args.new_tokens, **rollout)
+    # the update before the rollout: its few steps are the shorter measurement, so a run stopped
+    # by a time limit keeps both goals' figures as long as it can (the as-is rollout is slowest)
     update, micro_batch = update_rates(gpt, hf, m, ctx, args)
     emit("update", tokens=args.update_batch * args.update_seq, **update)
+    rollout = rollout_rates(gpt, hf, ctx, args, prompts)
+    emit("rollout", batch=args.batch, new_tokens=args.new_tokens, **rollout)
     emit("profile", **profile_counts(gpt, ctx, prompts[:min(8, len(prompts))], micro_batch))
     emit("memory", peak_gib=(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
                              else None))

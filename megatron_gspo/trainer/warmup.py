@@ -37,7 +37,9 @@ def warm_up(run: Run) -> None:
     if t.sft_steps:
         sft(run)
         sync_weights(run, 0)
-    run.history["accuracy_before_rl"] = evaluate(run)
+        run.history["accuracy_before_rl"] = evaluate(run)
+    else:  # the same weights, and evaluation is greedy: not evaluated twice
+        run.history["accuracy_before_rl"] = run.history["accuracy_initial"]
     run.logger.say(f"held-out accuracy before RL: {run.history['accuracy_before_rl']:.3f}")
     run.logger.log(0, {"eval/accuracy": run.history["accuracy_before_rl"]})
     build_rl_optimizer(job, policy, run.ctx)

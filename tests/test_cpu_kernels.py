@@ -131,3 +131,15 @@ def test_a_build_killed_half_way_does_not_block_the_next(tmp_path, monkeypatch):
     worker.join(timeout=120)
     assert done == [None], "the build waited on the stale lock file"
     assert not (directory / "lock").exists()
+
+
+def test_each_copy_of_the_package_builds_in_its_own_directory(monkeypatch, tmp_path):
+    # torch's build file names the source by its absolute path: two copies sharing a directory
+    # (a checkout and an installed package) would rebuild the kernel whenever the other had run
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    here = cpu_kernels.build_directory("megatron_gspo_experts_swiglu")
+    assert here == cpu_kernels.build_directory("megatron_gspo_experts_swiglu")
+    assert here.startswith(str(tmp_path)) and "megatron_gspo_experts_swiglu-" in here
+    monkeypatch.setattr(cpu_kernels, "CSRC", str(tmp_path / "site-packages" / "csrc"))
+    there = cpu_kernels.build_directory("megatron_gspo_experts_swiglu")
+    assert there != here and os.path.dirname(there) == os.path.dirname(here)

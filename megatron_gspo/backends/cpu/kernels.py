@@ -2,8 +2,8 @@
 
 Adaptation of ``torch.utils.cpp_extension.load`` (a JIT build with the machine's C++ compiler and
 ninja, cached under ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, in
-``megatron_gspo-py<version>/<name>``; a later process loads the built library in well under a
-second, and a changed source is rebuilt). One kernel so far, ``csrc/experts_swiglu.cpp``: a
+``megatron_gspo-py<version>/<name>-<hash of the package's and torch's paths>``; a later process
+loads the built library in well under a second, and a changed source is rebuilt). One kernel so far, ``csrc/experts_swiglu.cpp``: a
 layer's fp32 SwiGLU experts with whole experts per OpenMP thread (``grouped_experts`` uses it).
 
 Builds of one kernel are serialised by an ``flock`` on a file in its build directory, which the
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -40,12 +41,18 @@ def _ninja_on_path(env) -> None:
 
 
 def build_directory(name: str) -> str:
-    """Where ``name`` is built: its own folder under torch's extensions root."""
+    """Where ``name`` is built: its own folder under torch's extensions root, one per copy of
+    the package and torch installation. torch's build file names the source and torch's headers
+    by absolute path, so two checkouts (or a checkout and an installed copy) sharing one folder
+    would rebuild it, 25 s each, every time the other had run."""
+    import torch
     from torch.utils import cpp_extension
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     version = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return os.path.join(root, f"megatron_gspo-{version}", name)
+    install = f"{os.path.realpath(CSRC)}\0{os.path.realpath(os.path.dirname(torch.__file__))}"
+    key = hashlib.sha1(install.encode()).hexdigest()[:10]
+    return os.path.join(root, f"megatron_gspo-{version}", f"{name}-{key}")
 
 
 def build(name: str, source: str, directory: Optional[str] = None):

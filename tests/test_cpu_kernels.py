@@ -133,13 +133,20 @@ def test_a_build_killed_half_way_does_not_block_the_next(tmp_path, monkeypatch):
     assert not (directory / "lock").exists()
 
 
-def test_each_copy_of_the_package_builds_in_its_own_directory(monkeypatch, tmp_path):
-    # torch's build file names the source by its absolute path: two copies sharing a directory
-    # (a checkout and an installed package) would rebuild the kernel whenever the other had run
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    here = cpu_kernels.build_directory("megatron_gspo_experts_swiglu")
-    assert here == cpu_kernels.build_directory("megatron_gspo_experts_swiglu")
-    assert here.startswith(str(tmp_path)) and "megatron_gspo_experts_swiglu-" in here
-    monkeypatch.setattr(cpu_kernels, "CSRC", str(tmp_path / "site-packages" / "csrc"))
-    there = cpu_kernels.build_directory("megatron_gspo_experts_swiglu")
-    assert there != here and os.path.dirname(there) == os.path.dirname(here)
+def test_copies_of_the_package_share_one_build_of_the_same_source(monkeypatch, tmp_path):
+    # torch's build file names the source by its absolute path: the build compiles a copy kept
+    # in a directory named by the source's content, so that a checkout and an installed package
+    # share it instead of rebuilding whenever the other has run
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    here = cpu_kernels.build_directory("megatron_gspo_experts_swiglu", "experts_swiglu.cpp")
+    assert here.startswith(str(tmp_path / "ext")) and "megatron_gspo_experts_swiglu-" in here
+    text = open(os.path.join(cpu_kernels.CSRC, "experts_swiglu.cpp")).read()
+    installed = tmp_path / "site-packages" / "csrc"
+    installed.mkdir(parents=True)
+    (installed / "experts_swiglu.cpp").write_text(text)
+    monkeypatch.setattr(cpu_kernels, "CSRC", str(installed))
+    assert cpu_kernels.build_directory("megatron_gspo_experts_swiglu",
+                                       "experts_swiglu.cpp") == here
+    (installed / "experts_swiglu.cpp").write_text(text + "\n// changed\n")
+    changed = cpu_kernels.build_directory("megatron_gspo_experts_swiglu", "experts_swiglu.cpp")
+    assert changed != here and os.path.dirname(changed) == os.path.dirname(here)

@@ -12,7 +12,8 @@ parameters) as a fixed sequence of tensor operations on fixed shapes:
 - attention is two batched matmuls over all ``S`` cached positions with that mask;
 - a token's routed experts are the top-k of the router's fp32 logits (megatron's rule); the
   (token, expert) pairs are grouped by a stable sort with the counts kept on the device and run
-  as two ``grouped_mm`` over the experts' stacked weights, or, in a dtype ``grouped_mm`` does
+  through the training layer's ``grouped_experts`` (two ``grouped_mm`` over the experts' stacked
+  weights, groups unpadded), or, in a dtype ``grouped_mm`` does
   not take, every expert for chunks of tokens weighted by the routing (memory bounded by the
   chunk);
 - nothing reads a value on the host (``megatron_gspo.debug.count_host_syncs`` counts 0), so a
@@ -37,7 +38,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_gspo.models.dispatch import group_by_expert, route_top_k
-from megatron_gspo.models.grouped_experts import GroupedSequentialMLP
+from megatron_gspo.models.grouped_experts import GroupedSequentialMLP, grouped_experts
 from megatron_gspo.models.rope import cos_sin, rotate
 
 
@@ -116,7 +117,7 @@ class StaticModel:
 
     def __init__(self, gpt):
         c = gpt.config
-        self.gpt, self.eps = gpt, c.layernorm_epsilon
+        self.gpt, self.config, self.eps = gpt, c, c.layernorm_epsilon
         a = gpt.decoder.layers[0].self_attention
         self.heads, self.groups = a.num_attention_heads_per_partition, a.num_query_groups_per_partition
         self.head_dim, self.scale = a.hidden_size_per_attention_head, a.core_attention.softmax_scale
@@ -190,9 +191,7 @@ def _experts(model: StaticModel, lay: _Layer, x_NH: torch.Tensor, routes: list) 
     n = ids_NK.shape[0]
     order, rows, counts_E = group_by_expert(ids_NK, lay.fc1.shape[0])
     x, probs = x_NH.index_select(0, rows), probs_NK.reshape(-1).index_select(0, order)
-    ends_E = counts_E.cumsum(0).to(torch.int32)
-    a, b = torch.chunk(F.grouped_mm(x, lay.fc1, offs=ends_E), 2, dim=-1)
-    y = F.grouped_mm((F.silu(a) * b * probs.unsqueeze(-1)).to(x.dtype), lay.fc2, offs=ends_E)
+    y = grouped_experts(x, probs, counts_E, lay.fc1, lay.fc2, group_rows=1, config=model.config)
     # back to token-major (each pair once: no atomics) and each token's k outputs summed
     y = torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1)
     return y.sum(1)

@@ -79,10 +79,9 @@ def build(name: str, source: str, directory: Optional[str] = None):
                 os.remove(stale)
             copy = os.path.join(directory, source)  # the path torch's build file names
             text = _read(os.path.join(CSRC, source))
-            if not os.path.exists(copy) or _read(copy) != text:  # (rewritten: rebuilt)
-                with open(copy + ".tmp", "wb") as f:
+            if not os.path.exists(copy) or _read(copy) != text:  # (under the lock; rebuilt)
+                with open(copy, "wb") as f:
                     f.write(text)
-                os.replace(copy + ".tmp", copy)
             return cpp_extension.load(
                 name=name, sources=[copy],
                 extra_cflags=["-O2", "-fopenmp"], extra_ldflags=["-fopenmp"],

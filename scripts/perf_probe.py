@@ -189,20 +189,14 @@ def update_rates(gpt, hf, m, ctx, args) -> tuple:
         (-logp.mean()).backward()
         hf_opt.step()
 
-    def ours_compiled():
-        if not any(getattr(m, "compiled", None) for m in gpt.modules()):
-            if not compile_grouped_experts(gpt):
-                raise SystemExit("perf_probe: --compile-experts: no layer runs the grouped "
-                                 "experts")
-        ours()
-
     flops = 6 * active * x.numel()
     out = {}
-    runs = [("ours", ours), ("hf", theirs)]
-    if args.compile_experts:
-        runs.append(("ours_compiled", ours_compiled))
+    runs = [("ours", ours), ("hf", theirs)] + ([("ours_compiled", ours)]
+                                                if args.compile_experts else [])
     for name, fn in runs:
-        fn()
+        if name == "ours_compiled" and not compile_grouped_experts(gpt):
+            raise SystemExit("perf_probe: --compile-experts: no layer runs the grouped experts")
+        fn()  # (warm-up; the compilation where compiled)
         seconds = timed(fn, ctx.device, repeats=3)
         out[f"{name}_s"] = seconds
         out[f"{name}_tflops"] = flops / seconds / 1e12
@@ -287,8 +281,7 @@ def main() -> None:
     emit("parity", max_abs_logit_diff=float((ours.float() - theirs.float()).abs().max()))
     prompts = torch.randint(3, m.vocab_size, (args.batch, args.prompt_tokens),
                             generator=g).tolist()
-    # the update before the rollout: its few steps are the shorter measurement, so a run stopped
-    # by a time limit keeps both goals' figures as long as it can (the as-is rollout is slowest)
+    # (the update first: see the docstring)
     update, micro_batch = update_rates(gpt, hf, m, ctx, args)
     emit("update", tokens=args.update_batch * args.update_seq, **update)
     rollout = rollout_rates(gpt, hf, ctx, args, prompts)

@@ -6,29 +6,16 @@ in megatron's DDP as the eager model does."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
-from tests.test_host_syncs import tiny_moe_config
+from tests.test_host_syncs import tiny_moe_config, tiny_moe_model
 
 
 @pytest.fixture(scope="module")
 def gpt():
-    warnings.filterwarnings("ignore")
-    from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.distributed.parallel import destroy_parallel, init_parallel
-    from megatron_gspo.models.hf_io import SeededTensors
-    from megatron_gspo.models.hf_mapping import load_hf_weights
-    from megatron_gspo.models.model import build_model
-
-    m = tiny_moe_config()
-    ctx = init_parallel(ParallelConfig(), m, seed=0)
-    gpt = build_model(m, ctx)
-    load_hf_weights(gpt, SeededTensors(m, 5), m, ctx)
-    yield ctx, gpt
-    destroy_parallel()
+    with tiny_moe_model(5) as (_, ctx, gpt):
+        yield ctx, gpt
 
 
 def _gpu_moe_layer(gpt, ctx):

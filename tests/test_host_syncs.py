@@ -7,6 +7,7 @@ its experts' three paths and Transformer Engine's layout read as the local one."
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -77,10 +78,11 @@ def tiny_moe_config(**overrides):
         first_k_dense=1, init_method_std=0.1), **overrides})
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    """A whole MoE model on one rank (the 1B shape's structure at small widths: a dense first
-    layer, GQA, top-k of more experts than k), seeded weights."""
+@contextlib.contextmanager
+def tiny_moe_model(seed: int, device: str = "cpu", config: dict | None = None, **build):
+    """``tiny_moe_config(**config)`` built on one rank of ``device`` by its backend
+    (``build_model(**build)``), weights seeded by ``seed``: ``(config, ctx, gpt)``, the parallel
+    state torn down after the block."""
     warnings.filterwarnings("ignore")
     from megatron_gspo.config import ParallelConfig
     from megatron_gspo.distributed.parallel import destroy_parallel, init_parallel
@@ -88,13 +90,23 @@ def tiny():
     from megatron_gspo.models.hf_mapping import load_hf_weights
     from megatron_gspo.models.model import build_model
 
-    m = tiny_moe_config()
-    ctx = init_parallel(ParallelConfig(), m, seed=0)
-    gpt = build_model(m, ctx, moe_enable_routing_replay=True)
-    load_hf_weights(gpt, SeededTensors(m, 3), m, ctx)
-    gpt.eval()
-    yield m, ctx, gpt
-    destroy_parallel()
+    m = tiny_moe_config(**(config or {}))
+    ctx = init_parallel(ParallelConfig(device=device), m, seed=0)
+    try:
+        gpt = build_model(m, ctx, **build)
+        load_hf_weights(gpt, SeededTensors(m, seed), m, ctx)
+        yield m, ctx, gpt
+    finally:
+        destroy_parallel()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A whole MoE model on one rank (the 1B shape's structure at small widths: a dense first
+    layer, GQA, top-k of more experts than k), seeded weights."""
+    with tiny_moe_model(3, moe_enable_routing_replay=True) as (m, ctx, gpt):
+        gpt.eval()
+        yield m, ctx, gpt
 
 
 def test_an_moe_layer_with_local_experts_never_waits_for_the_host(tiny):

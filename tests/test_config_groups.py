@@ -9,7 +9,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from megatron_gspo.__main__ import check_group_choices
+import torch
+
+from megatron_gspo import TORCH_MIN
+from megatron_gspo.__main__ import check_group_choices, check_torch, entry
 from megatron_gspo.algorithms.behaviour import behaviour_source
 from megatron_gspo.config import ConfigError
 from megatron_gspo.config.load import job_from_dict, register_configs
@@ -250,6 +253,19 @@ def test_unknown_group_option_lists_the_valid_ones():
     check_group_choices(["algo=gspo,grpo", "replay=none,r2", "trainer.steps=3", "+arm=gspo"])
     with pytest.raises(ConfigError):
         check_group_choices(["+experiment=paper_huge"])
+
+
+def test_a_torch_older_than_the_floor_is_one_line_at_start(monkeypatch, capsys):
+    check_torch(torch.__version__)  # what the tests run on
+    check_torch("2.10.0a0+nv25.11")  # NGC PyTorch 25.11's build, the GPU image's base
+    monkeypatch.setattr(torch, "__version__", "2.6.0+cu124")
+    monkeypatch.setattr("sys.argv", ["megatron_gspo", "trainer.steps=1"])
+    with pytest.raises(SystemExit) as e:
+        entry()
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        f"config error: torch 2.6.0+cu124 is older than the {TORCH_MIN} megatron-gspo needs "
+        f"(torch.nn.functional.grouped_mm); fix: pip install 'torch>={TORCH_MIN}'\n")
 
 
 def test_unknown_key_names_the_section():

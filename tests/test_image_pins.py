@@ -1,6 +1,7 @@
 """The GPU image's pins fit what the project runs: Transformer Engine inside megatron-core's
-declared range, the same megatron-core as the tests, the SGLang version the client targets; and a
-planted wrong pin of each kind is caught."""
+declared range and setup.py's gpu extra, the same megatron-core as the tests, the SGLang version
+the client targets, setup.py's torch floor the package's; and a planted wrong pin of each kind is
+caught."""
 
 import importlib.metadata
 import os
@@ -8,6 +9,7 @@ import re
 
 import pytest
 
+from megatron_gspo import TORCH_MIN
 from megatron_gspo.rollout.sglang.facade import SGLANG_VERSION
 from tools.check_image_pins import ROOT, check_repository, problems
 
@@ -17,12 +19,13 @@ def _read(*parts):
         return f.read()
 
 
-def _check(dockerfile=None, requirements=None):
+def _check(dockerfile=None, requirements=None, setup_text=None):
     return problems(dockerfile or _read("Dockerfile"),
-                    requirements or _read("docker", "requirements.txt"), _read("setup.py"),
+                    requirements or _read("docker", "requirements.txt"),
+                    setup_text or _read("setup.py"),
                     megatron_requires=importlib.metadata.requires("megatron-core"),
                     megatron_installed=importlib.metadata.version("megatron-core"),
-                    sglang_client=SGLANG_VERSION)
+                    sglang_client=SGLANG_VERSION, torch_min=TORCH_MIN)
 
 
 def test_the_repository_pins_fit():
@@ -34,7 +37,15 @@ def test_the_repository_pins_fit():
 def test_a_planted_old_transformer_engine_pin_is_caught():
     planted = re.sub(r"ARG TE_VERSION=\S+", "ARG TE_VERSION=2.4.0", _read("Dockerfile"))
     found = _check(dockerfile=planted)
-    assert len(found) == 1 and "TE_VERSION=2.4.0 is outside" in found[0], found
+    assert len(found) == 2 and all("TE_VERSION=2.4.0 is outside" in line for line in found), found
+    assert "megatron-core" in found[0] and "setup.py's gpu extra" in found[1], found
+
+
+def test_a_planted_torch_floor_below_the_packages_is_caught():
+    planted = re.sub(r'"torch>=[^"]*"', '"torch>=2.4"', _read("setup.py"))
+    assert planted != _read("setup.py")
+    assert _check(setup_text=planted) == [
+        f"setup.py: torch>=2.4, but megatron_gspo.TORCH_MIN is {TORCH_MIN}"]
 
 
 @pytest.mark.parametrize("what", ["megatron", "sglang"])

@@ -8,7 +8,9 @@ its pins must be right by construction):
 - megatron-core in ``docker/requirements.txt`` equal to the installed one (what the tests ran)
   and inside setup.py's requirement;
 - SGLang (``ARG SGLANG_VERSION``) equal to the version the client targets
-  (``megatron_gspo.rollout.sglang.facade.SGLANG_VERSION``).
+  (``megatron_gspo.rollout.sglang.facade.SGLANG_VERSION``);
+- Transformer Engine also inside setup.py's ``gpu`` extra, and setup.py's torch floor equal to
+  ``megatron_gspo.TORCH_MIN`` (what ``python -m megatron_gspo`` checks at start).
 
 Prints one line per problem and exits 1, or prints the pins and exits 0.
 """
@@ -70,7 +72,7 @@ def setup_requirement(setup_text: str, name: str) -> SpecifierSet:
 
 
 def problems(dockerfile: str, requirements: str, setup_text: str, *, megatron_requires: list,
-             megatron_installed: str, sglang_client: str) -> list:
+             megatron_installed: str, sglang_client: str, torch_min: str) -> list:
     """One line per pin that does not fit."""
     args, pins, out = dockerfile_args(dockerfile), requirement_pins(requirements), []
     te_range = declared_range(megatron_requires, "transformer-engine", extra="dev")
@@ -80,6 +82,13 @@ def problems(dockerfile: str, requirements: str, setup_text: str, *, megatron_re
     elif not te_range.contains(Version(te), prereleases=True):
         out.append(f"Dockerfile: TE_VERSION={te} is outside megatron-core {megatron_installed}'s "
                    f"transformer-engine{te_range}")
+    te_extra = setup_requirement(setup_text, "transformer-engine")
+    if te is not None and not te_extra.contains(Version(te), prereleases=True):
+        out.append(f"Dockerfile: TE_VERSION={te} is outside setup.py's gpu extra "
+                   f"transformer-engine{te_extra}")
+    torch_floor = setup_requirement(setup_text, "torch")
+    if str(torch_floor) != f">={torch_min}":
+        out.append(f"setup.py: torch{torch_floor}, but megatron_gspo.TORCH_MIN is {torch_min}")
     mcore = pins.get("megatron-core")
     if mcore != megatron_installed:
         out.append(f"docker/requirements.txt: megatron-core=={mcore}, but the tests run "
@@ -96,6 +105,7 @@ def problems(dockerfile: str, requirements: str, setup_text: str, *, megatron_re
 
 
 def check_repository(root: str = ROOT) -> tuple[list, dict]:
+    from megatron_gspo import TORCH_MIN
     from megatron_gspo.rollout.sglang.facade import SGLANG_VERSION
 
     def read(*parts):
@@ -106,7 +116,7 @@ def check_repository(root: str = ROOT) -> tuple[list, dict]:
     found = problems(dockerfile, read("docker", "requirements.txt"), read("setup.py"),
                      megatron_requires=importlib.metadata.requires("megatron-core") or [],
                      megatron_installed=importlib.metadata.version("megatron-core"),
-                     sglang_client=SGLANG_VERSION)
+                     sglang_client=SGLANG_VERSION, torch_min=TORCH_MIN)
     return found, dockerfile_args(dockerfile)
 
 

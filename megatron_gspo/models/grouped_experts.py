@@ -89,7 +89,7 @@ class GroupedSequentialMLP(SequentialMLP):
         return (dtype_ok and not c.moe_apply_probs_on_input and not c.fp8
                 and not getattr(c, "fp4", None)
                 and not c.add_bias_linear and not c.bias_activation_fusion
-                and not c.use_te_activation_func and hasattr(F, "grouped_mm")
+                and not c.use_te_activation_func
                 and all(w % align == 0 for w in widths))
 
     def path(self, x: torch.Tensor, probs: torch.Tensor) -> str:

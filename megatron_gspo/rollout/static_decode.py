@@ -32,9 +32,6 @@ log = logging.getLogger(__name__)
 
 POSITION_MULTIPLE = 128  # the cache's positions are a multiple of this (shapes reused)
 COMPILED_SHAPES = 128  # compilations of the step at most (batch buckets x cache lengths)
-_LIMIT_HIT = tuple(getattr(torch._dynamo.exc, name) for name in
-                   ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
-                   if hasattr(torch._dynamo.exc, name))
 
 
 class StaticGenerator:
@@ -184,7 +181,7 @@ class StaticGenerator:
         try:
             with _compile_limit():
                 return run(self._compiled())
-        except _LIMIT_HIT:
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
             log.warning("rollout.compile_decode: the decoding step was compiled for %d shapes; "
                         "it runs uncompiled from here", COMPILED_SHAPES)
             self.compile = False
@@ -207,9 +204,7 @@ def _cache_positions(n: int, compiled: bool) -> int:
 def _compile_limit():
     """Room for a compiled step per batch bucket and cache length (dynamo's default of 8
     compilations of a function is a hard error under ``fullgraph``)."""
-    config = torch._dynamo.config
-    key = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    return config.patch(**{key: COMPILED_SHAPES})
+    return torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES)
 
 
 def _capture(fn, model, cache, token_B, pos_B, cos, sin):

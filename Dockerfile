@@ -49,10 +49,15 @@ RUN python -m venv /opt/sglang \
     && PIP_CONSTRAINT="" /opt/sglang/bin/pip install --no-cache-dir "sglang==${SGLANG_VERSION}" \
        "sglang-router==${SGLANG_ROUTER_VERSION}"
 
-# The project: pinned dependencies first (docker/requirements.txt), then the package itself.
+# The project: pinned dependencies first (docker/requirements.txt), then the package itself. The
+# base image's pip constraints hold for its GPU stack only (docker/constraints.sh): under all of
+# them, pins that differ from the base image's versions could not install.
 WORKDIR /workspace/megatron-gspo
-COPY docker/requirements.txt docker/requirements.txt
-RUN pip install --no-cache-dir --requirement docker/requirements.txt
+COPY docker/requirements.txt docker/constraints.sh docker/
+RUN bash docker/constraints.sh > /tmp/gpu-stack.txt \
+    && PIP_CONSTRAINT=/tmp/gpu-stack.txt pip install --no-cache-dir --requirement docker/requirements.txt \
+    && python -c "import torch; print('torch', torch.__version__)" \
+    && rm /tmp/gpu-stack.txt
 COPY setup.py README.md ./
 COPY megatron_gspo ./megatron_gspo
 COPY moe ./moe

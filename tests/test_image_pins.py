@@ -1,17 +1,18 @@
 """The GPU image's pins fit what the project runs: Transformer Engine inside megatron-core's
 declared range and setup.py's gpu extra, the same megatron-core as the tests, the SGLang version
 the client targets, setup.py's torch floor the package's; and a planted wrong pin of each kind is
-caught."""
+caught; the base image's pip constraints kept for its GPU stack only."""
 
 import importlib.metadata
 import os
 import re
+import subprocess
 
 import pytest
 
 from megatron_gspo import TORCH_MIN
 from megatron_gspo.rollout.sglang.facade import SGLANG_VERSION
-from tools.check_image_pins import ROOT, check_repository, problems
+from tools.check_image_pins import ROOT, check_repository, problems, requirement_pins
 
 
 def _read(*parts):
@@ -71,3 +72,31 @@ def test_planted_megatron_and_sglang_mismatches_are_caught(what):
         found = _check(dockerfile=planted)
         assert found == [f"Dockerfile: SGLANG_VERSION=0.5.6, but the client targets SGLang "
                          f"{SGLANG_VERSION} (megatron_gspo/rollout/sglang/facade.py SGLANG_VERSION)"]
+
+
+def _gpu_stack(tmp_path, lines):
+    constraints = tmp_path / "constraint.txt"
+    constraints.write_text("".join(line + "\n" for line in lines))
+    out = subprocess.run(["bash", os.path.join(ROOT, "docker", "constraints.sh"), str(constraints)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def test_the_base_images_constraints_hold_for_its_gpu_stack_only(tmp_path):
+    stack = ["torch==2.10.0a0+b4e4ee81d3.nv25.11", "numpy==1.26.4", "transformer_engine==2.9.0",
+             "nvidia-cudnn-cu13==9.15.0.57", "torchvision==0.25.0a0", "pytorch-triton==3.5.0",
+             "Flash_Attn==2.7.4.post1", "apex==0.1", "torch-tensorrt==2.10.0a0"]
+    others = ["tensorboard==2.18.0", "tensorboard-data-server==0.7.2", "click==8.1.7",
+              "huggingface_hub==0.30.1", "regex==2024.11.6", "# a comment", "numpyro==0.1"]
+    assert _gpu_stack(tmp_path, others[:3] + stack + others[3:]) == stack
+    # no package the image pins is held at the base image's version
+    ours = [f"{name}==0.0.1" for name in requirement_pins(_read("docker", "requirements.txt"))]
+    assert len(ours) >= 10 and _gpu_stack(tmp_path, ours) == []
+    missing = subprocess.run(["bash", os.path.join(ROOT, "docker", "constraints.sh"),
+                              str(tmp_path / "none.txt")], capture_output=True, text=True)
+    assert missing.returncode == 0 and missing.stdout == ""
+    dockerfile = _read("Dockerfile")
+    assert ("bash docker/constraints.sh > /tmp/gpu-stack.txt" in dockerfile
+            and "PIP_CONSTRAINT=/tmp/gpu-stack.txt pip install --no-cache-dir --requirement "
+            "docker/requirements.txt" in dockerfile)

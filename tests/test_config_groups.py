@@ -6,10 +6,9 @@ import itertools
 import os
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-
-import torch
 
 from megatron_gspo import TORCH_MIN
 from megatron_gspo.__main__ import check_group_choices, check_torch, entry

@@ -99,14 +99,15 @@ def problems(dockerfile: str, requirements: str, setup_text: str, *, megatron_re
     if te is not None and not te_extra.contains(Version(te), prereleases=True):
         out.append(f"Dockerfile: TE_VERSION={te} is outside setup.py's gpu extra "
                    f"transformer-engine{te_extra}")
-    torch_floor = setup_requirement(setup_text, "torch")
+    requires = install_requires(setup_text)
+    torch_floor = next(r.specifier for r in requires if _norm(r.name) == "torch")
     if str(torch_floor) != f">={torch_min}":
         out.append(f"setup.py: torch{torch_floor}, but megatron_gspo.TORCH_MIN is {torch_min}")
     mcore = pins.get("megatron-core")
     if mcore != megatron_installed:
         out.append(f"docker/requirements.txt: megatron-core=={mcore}, but the tests run "
                    f"megatron-core {megatron_installed}")
-    for req in install_requires(setup_text):
+    for req in requires:
         name = _norm(req.name)
         if name in BASE_IMAGE_PROVIDES:
             continue

@@ -284,6 +284,16 @@ def rope_cache_job():
     out["packed"] = both(torch.randn(20, 4, 16, generator=g), table, cu_seqlens=cu)
     out["packed_table_of_the_pack"] = both(torch.randn(20, 4, 16, generator=g), table[:20],
                                            cu_seqlens=cu)
+    # the bounds on the host (``PackedRows`` sets them): the same, without reading the device
+    from megatron_gspo.debug import count_host_syncs
+
+    cu_host = cu.clone()
+    cu_host.packed_bounds = tuple(cu.tolist())
+    t = torch.randn(20, 4, 16, generator=g)
+    with count_host_syncs() as syncs:
+        mine = ours(t, table, config, cu_seqlens=cu_host, cp_group=cp)
+    out["packed_host_bounds"] = (syncs.total == 0 and torch.equal(
+        mine, theirs(t, table, config, cu_seqlens=cu, cp_group=cp)))
     out["mscale_passed_on"] = both(torch.randn(12, 3, 4, 16, generator=g), table[:12],
                                    mscale=0.7)
     with torch.inference_mode():  # inference tensors have no version counter: megatron's path

@@ -164,7 +164,7 @@ def test_cached_rope_equals_megatrons():
     from tests.model_workers import rope_cache_job
 
     seen = run_ranks(rope_cache_job, 1)[0]
-    assert seen == {k: True for k in seen} and len(seen) == 13, seen
+    assert seen == {k: True for k in seen} and len(seen) == 14, seen
 
 
 @pytest.mark.parametrize("shape", [(7, 2, 16), (5, 1, 3, 8)], ids=["hidden", "heads"])

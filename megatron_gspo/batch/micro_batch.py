@@ -97,14 +97,18 @@ class PackedRows(PackedSeqParams):
     Shared prompts (``prefix_of``: each sequence's prefix sequence, -1 for none): a sequence
     with a prefix attends to it as to its own first tokens and its positions continue the
     prefix's. RoPE reads those positions from ``cu_seqlens_q.packed_positions`` (a [T] tensor on
-    the device, set here: Megatron's attention hands RoPE only ``cu_seqlens``); only this
-    project's SDPA attention and cached RoPE honour them (``layers``)."""
+    the device, set here: Megatron's attention hands RoPE only ``cu_seqlens``), and the bounds
+    from ``packed_bounds`` on both ``cu_seqlens`` (host ints, so that it never reads the device);
+    only this project's SDPA attention and cached RoPE honour them (``layers``)."""
 
     bounds: tuple = ()
     cache: dict = dataclasses.field(default_factory=dict)
     prefix_of: tuple = ()
 
     def __post_init__(self):
+        for cu in (self.cu_seqlens_q, self.cu_seqlens_kv):  # RoPE's bounds without a read
+            if cu is not None and self.bounds:
+                cu.packed_bounds = self.bounds
         if any(p >= 0 for p in self.prefix_of):
             self.cu_seqlens_q.packed_positions = packed_positions(self.bounds, self.prefix_of).to(
                 self.cu_seqlens_q.device)

@@ -47,18 +47,21 @@ def _packed_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, dtype) -> tup
     """cos / sin of Megatron's packed (THD) table without context parallelism: each sequence's
     positions from 0 (continuing its shared prefix's, when ``cu_seqlens`` carries
     ``packed_positions``), or, when the table covers every packed token, their place in the pack;
+    the bounds from ``cu_seqlens.packed_bounds`` (host ints: no read of the device) when set;
     made once per micro-batch (its ``cu_seqlens`` keeps them, with the table, so that no other
     table can take its memory and its key while they are kept)."""
     positions = getattr(cu_seqlens, "packed_positions", None)  # shared prompts (PackedRows)
 
     def make():
-        total = int(cu_seqlens[-1])
+        # the bounds as host ints (PackedRows puts them on its cu_seqlens), else read once
+        bounds = getattr(cu_seqlens, "packed_bounds", None) or tuple(cu_seqlens.tolist())
+        total = bounds[-1]
         if positions is not None:
             packed = freqs[positions.to(freqs.device)]
         elif freqs.size(0) == total:
             packed = freqs[:total]
         else:
-            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+            lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
             index = torch.cat([torch.arange(n) for n in lengths]).to(freqs.device)
             packed = freqs[index]
         return (freqs,) + cos_sin(packed, dtype)

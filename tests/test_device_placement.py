@@ -1,0 +1,187 @@
+"""The GPU path at the 1B MoE's own widths, run on CPU where a GPU would fail first: on the meta
+device (shapes and dtypes, no values) under ``host_operands``, which raises where an operation
+takes a host tensor beside device ones (CUDA refuses them; the meta device lets some through:
+``matmul``, ``gather``). So, before any GPU runs them:
+
+- the update: the whole model built from the GPU backend's layers (SDPA attention, the sort
+  dispatcher, the grouped experts with their groups padded for Hopper) on a packed micro-batch as
+  the trainer makes it, forward, the policy loss of each algorithm, backward: every tensor on the
+  device, no read of the device (the meta device has no values: a read raises), ``grouped_mm``'s
+  CUDA rules met (its meta kernel checks the dtype and the 16-byte strides);
+- a prefill and a decoding step of the static decoder at the rollout's batch of 32, sampling
+  included: the same;
+- a planted host tensor and a planted read are caught.
+
+(The bf16 model's values are not checked here: the tests on CPU compare them, the GPU tier runs
+them.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from scripts.gpu_check import MODEL_1B
+
+META = torch.device("meta")
+
+
+class HostOperand(RuntimeError):
+    pass
+
+
+class host_operands(TorchDispatchMode):
+    """Raises ``HostOperand`` at an operation that takes a host tensor (not a 0-dim scalar)
+    beside a device tensor, other than a copy to the device; ``ops`` counts the operations
+    seen."""
+
+    COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops += 1
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if (func not in self.COPIES and any(t.device.type != "cpu" for t in tensors)
+                and any(t.device.type == "cpu" and t.dim() > 0 for t in tensors)):
+            raise HostOperand(f"{func} takes a host tensor beside device tensors")
+        return func(*args, **kwargs)
+
+
+def test_the_check_on_planted_cases():
+    x = torch.randn(4, 3, device=META)
+    for name, fn in {"matmul": lambda: x @ torch.ones(3, 3),
+                     "gather": lambda: x.gather(1, torch.zeros(4, 1, dtype=torch.long)),
+                     "add": lambda: x + torch.ones(3)}.items():
+        with pytest.raises(HostOperand), host_operands():
+            fn()
+    with host_operands():
+        y = (x + torch.tensor(2.0)) @ torch.ones(3, 3).to(META)  # a 0-dim scalar; a copy
+    assert y.device == META
+
+
+@pytest.fixture(scope="module")
+def gpu_model():
+    """The 1B MoE at its widths with 2 layers, built from the GPU backend's layer classes
+    (parameters made on the host, as the GPU backend makes them on the GPU; the all-to-all
+    dispatcher, which makes a CUDA stream when built, is replaced by the sort dispatcher at ep=1
+    either way), bf16, then moved to the meta device."""
+    warnings.filterwarnings("ignore")
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    import megatron_gspo.models.model as model_module
+    from megatron_gspo.backends.gpu import GPU
+    from megatron_gspo.config import ParallelConfig
+    from megatron_gspo.distributed.parallel import destroy_parallel, init_parallel
+    from megatron_gspo.models.dispatch import SortTokenDispatcher
+    from megatron_gspo.models.grouped_experts import GroupedSequentialMLP
+
+    m = dataclasses.replace(MODEL_1B, num_layers=2)
+    ctx = init_parallel(ParallelConfig(device="cpu"), m, seed=0)
+    on_host = dataclasses.replace(GPU, init_on_cpu=True, token_dispatcher="allgather")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(model_module, "backend_for", lambda device: on_host)
+    try:
+        gpt = model_module.build_model(m, ctx)
+    finally:
+        mp.undo()
+    try:
+        moes = [x for x in gpt.modules() if isinstance(x, MoELayer)]
+        assert len(moes) == 2 and all(isinstance(x.token_dispatcher, SortTokenDispatcher)
+                                      and type(x.experts) is GroupedSequentialMLP for x in moes)
+        gpt.to(META)
+        # RoPE's frequencies are a plain attribute, made on the GPU there
+        gpt.rotary_pos_emb.inv_freq = gpt.rotary_pos_emb.inv_freq.to(META)
+        yield m, ctx, gpt
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.parametrize("algo", ["gspo", "gspo_token", "grpo"])
+def test_an_update_on_a_packed_row_stays_on_the_device(gpu_model, algo):
+    from megatron_gspo.algorithms.logprobs import token_logprobs
+    from megatron_gspo.algorithms.losses import shard_policy_loss
+    from megatron_gspo.batch.micro_batch import MicroBatch
+    from megatron_gspo.distributed.seqshard import TokenShard
+
+    m, ctx, gpt = gpu_model
+    lengths = [300, 517, 207]  # (not multiples of the experts' padded group rows)
+    n = sum(lengths)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, m.vocab_size, (1, n + 1), generator=g)
+    mask = torch.ones(1, n)
+    mask[0, :40] = 0  # a prompt
+    host = MicroBatch(
+        tokens[:, :-1], tokens[:, 1:],
+        position_ids_BS=torch.cat([torch.arange(k) for k in lengths])[None],
+        old_logp_BS=-torch.rand(1, n, generator=g), loss_mask_BS=mask,
+        advantages_B=torch.randn(3, generator=g),
+        cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+        seq_BS=torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None])
+    packed = host.packed_seq_params(META)  # as forward.forward_backward makes them
+    mb = host.to(META)
+    for p in gpt.parameters():
+        p.grad = None
+    with host_operands() as check:
+        logits = gpt(mb.tokens_BS, mb.positions(), attention_mask=None, packed_seq_params=packed,
+                     padding_mask=(mb.loss_mask_BS <= 0).contiguous())
+        logp, ent = token_logprobs(logits, mb.targets_BS, group=ctx.tp_group, with_entropy=True)
+        shard = TokenShard.from_packed(logp, mb.old_logp_BS, mb.advantages_B, mb.loss_mask_BS,
+                                       mb.seq_BS, mb.num_seqs, entropy_1N=ent.detach())
+        loss, metrics = shard_policy_loss(algo, shard, normalizer=3.0, clip_low=3e-4,
+                                          clip_high=4e-4)
+        forward_ops = check.ops
+        loss.backward()
+    assert logits.shape == (1, n, m.vocab_size) and logits.dtype == torch.bfloat16
+    assert check.ops > 1.5 * forward_ops > 0  # (the backward's operations were checked too)
+    assert all(v.device == META for v in metrics.values())
+    assert all(p.grad is not None and p.grad.device == META for p in gpt.parameters())
+
+
+def test_a_decoding_step_at_the_rollouts_batch_stays_on_the_device(gpu_model):
+    from megatron_gspo.rollout.sampling import row_uniform, sample_next
+    from megatron_gspo.rollout.static_model import (StaticModel, forward_tokens, new_cache,
+                                                    rope_tables)
+    from megatron_gspo.rollout.types import SamplingParams
+
+    m, _, gpt = gpu_model
+    rows, prompt, new = 32, 64, 512
+    model = StaticModel(gpt)
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.95)
+    with host_operands() as check, torch.no_grad():
+        cos, sin = rope_tables(gpt, prompt + new, torch.bfloat16)
+        cache = new_cache(model, rows, prompt + new, META, torch.bfloat16)
+        tokens = torch.randint(0, m.vocab_size, (rows, prompt), device=META)
+        logits, _ = forward_tokens(model, cache, tokens, torch.arange(prompt, device=META)
+                                   .expand(rows, prompt), cos, sin)
+        seeds = torch.arange(rows, device=META)
+        step = torch.zeros((), dtype=torch.long, device=META)
+        token, _ = sample_next(logits, params, uniform_B=row_uniform(seeds, step))
+        logits, routes = forward_tokens(model, cache, token[:, None],
+                                        torch.full((rows, 1), prompt, device=META), cos, sin)
+        token, logp = sample_next(logits, params, uniform_B=row_uniform(seeds, step + 1))
+    assert check.ops > 0 and token.shape == (rows,) and logp.device == META
+    assert len(routes) == 2 and routes[0].shape == (rows, 1, m.top_k)
+
+
+def test_a_planted_host_tensor_and_a_planted_read_are_caught(gpu_model, monkeypatch):
+    import megatron_gspo.rollout.static_model as sm
+
+    m, _, gpt = gpu_model
+    norm = sm._norm
+    model = sm.StaticModel(gpt)
+    tokens = torch.zeros(2, 3, dtype=torch.long, device=META)
+    positions = torch.arange(3, device=META).expand(2, 3)
+    for planted, caught in ((lambda x: x + torch.zeros(x.shape[-1]), HostOperand),
+                            (lambda x: x * float(x.sum()), RuntimeError)):
+        monkeypatch.setattr(sm, "_norm", lambda x, w, eps, f=planted: norm(f(x), w, eps))
+        with pytest.raises(caught), host_operands(), torch.no_grad():
+            sm.forward_tokens(model, sm.new_cache(model, 2, 3, META, torch.bfloat16), tokens,
+                              positions, *sm.rope_tables(gpt, 3, torch.bfloat16))

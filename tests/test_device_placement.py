@@ -8,8 +8,8 @@ takes a host tensor beside device ones (CUDA refuses them; the meta device lets 
   the trainer makes it, forward, the policy loss of each algorithm, backward: every tensor on the
   device, no read of the device (the meta device has no values: a read raises), ``grouped_mm``'s
   CUDA rules met (its meta kernel checks the dtype and the 16-byte strides);
-- a prefill and a decoding step of the static decoder at the rollout's batch of 32, sampling
-  included: the same;
+- the static decoder at the rollout's batch of 32 (the prefill, sampling, stop tokens, routes,
+  the decoding loop up to its readback of the finished flags): the same;
 - a planted host tensor and a planted read are caught.
 
 (The bf16 model's values are not checked here: the tests on CPU compare them, the GPU tier runs
@@ -145,30 +145,38 @@ def test_an_update_on_a_packed_row_stays_on_the_device(gpu_model, algo):
     assert all(p.grad is not None and p.grad.device == META for p in gpt.parameters())
 
 
-def test_a_decoding_step_at_the_rollouts_batch_stays_on_the_device(gpu_model):
-    from megatron_gspo.rollout.sampling import row_uniform, sample_next
-    from megatron_gspo.rollout.static_model import (StaticModel, forward_tokens, new_cache,
-                                                    rope_tables)
+def test_the_static_generator_at_the_rollouts_batch_stays_on_the_device(gpu_model):
+    """8 prompts of several lengths x 4 samples (32 rows): the prefill, the rows' seeds and
+    routes, and the decoding loop with sampling and stop tokens, up to the loop's results (read
+    by the host once, after it; the finished flags every ``readback_steps``, past the end
+    here)."""
+    from megatron_gspo.rollout.static_decode import StaticGenerator
     from megatron_gspo.rollout.types import SamplingParams
 
     m, _, gpt = gpu_model
-    rows, prompt, new = 32, 64, 512
-    model = StaticModel(gpt)
-    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.95)
-    with host_operands() as check, torch.no_grad():
-        cos, sin = rope_tables(gpt, prompt + new, torch.bfloat16)
-        cache = new_cache(model, rows, prompt + new, META, torch.bfloat16)
-        tokens = torch.randint(0, m.vocab_size, (rows, prompt), device=META)
-        logits, _ = forward_tokens(model, cache, tokens, torch.arange(prompt, device=META)
-                                   .expand(rows, prompt), cos, sin)
-        seeds = torch.arange(rows, device=META)
-        step = torch.zeros((), dtype=torch.long, device=META)
-        token, _ = sample_next(logits, params, uniform_B=row_uniform(seeds, step))
-        logits, routes = forward_tokens(model, cache, token[:, None],
-                                        torch.full((rows, 1), prompt, device=META), cos, sin)
-        token, logp = sample_next(logits, params, uniform_B=row_uniform(seeds, step + 1))
-    assert check.ops > 0 and token.shape == (rows,) and logp.device == META
-    assert len(routes) == 2 and routes[0].shape == (rows, 1, m.top_k)
+
+    class Decoded(Exception):
+        pass
+
+    gen = StaticGenerator(gpt, pad_id=0, readback_steps=8)
+    decode = gen._decode
+
+    def decode_then_stop(*args):
+        raise Decoded(decode(*args))
+
+    gen._decode = decode_then_stop
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, m.vocab_size, (n,), generator=g).tolist()
+               for n in (64, 40, 17, 64, 33, 8, 51, 60)]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=50, top_p=0.95, seed=3,
+                            stop_token_ids=(2, 7))
+    with pytest.raises(Decoded) as decoded, host_operands() as check:
+        gen.generate(prompts, 4, params, routes=True)
+    tokens_BR, logp_BR, count_B, routes_BSLK = decoded.value.args[0]
+    assert gen.steps_run == 5 and gen.readbacks_run == 0 and check.ops > 0
+    assert tokens_BR.shape == logp_BR.shape == (32, 6) and count_B.shape == (32,)
+    assert routes_BSLK.shape[::2] == (32, 2) and routes_BSLK.shape[3] == m.top_k
+    assert all(t.device == META for t in (tokens_BR, logp_BR, count_B, routes_BSLK))
 
 
 def test_a_planted_host_tensor_and_a_planted_read_are_caught(gpu_model, monkeypatch):

@@ -9,7 +9,8 @@ takes a host tensor beside device ones (CUDA refuses them; the meta device lets 
   device, no read of the device (the meta device has no values: a read raises), ``grouped_mm``'s
   CUDA rules met (its meta kernel checks the dtype and the 16-byte strides);
 - the static decoder at the rollout's batch of 32 (the prefill, sampling, stop tokens, routes,
-  the decoding loop up to its readback of the finished flags): the same;
+  the decoding loop): the same; and with the host's reads of the rows left answered from a
+  script (``scripted_reads``), its readbacks and the moves of the rows into smaller buckets;
 - a planted host tensor and a planted read are caught.
 
 (The bf16 model's values are not checked here: the tests on CPU compare them, the GPU tier runs
@@ -176,6 +177,61 @@ def test_the_static_generator_at_the_rollouts_batch_stays_on_the_device(gpu_mode
     assert gen.steps_run == 5 and gen.readbacks_run == 0 and check.ops > 0
     assert tokens_BR.shape == logp_BR.shape == (32, 6) and count_B.shape == (32,)
     assert routes_BSLK.shape[::2] == (32, 2) and routes_BSLK.shape[3] == m.top_k
+    assert all(t.device == META for t in (tokens_BR, logp_BR, count_B, routes_BSLK))
+
+
+class scripted_reads(host_operands):
+    """``host_operands`` that answers the host's reads of a device scalar (``.item()``,
+    ``int(t)``) from ``answers``, in order, where the meta device has no value to give."""
+
+    def __init__(self, answers):
+        super().__init__()
+        self.answers = list(answers)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device == META:
+            self.ops += 1
+            return self.answers.pop(0)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def test_the_readbacks_and_the_compaction_between_buckets_stay_on_the_device(gpu_model):
+    """The decoding loop past its readbacks: every 4 steps the host reads how many rows are
+    left, here 32 (no smaller bucket), 13 (the rows move into a bucket of 16), 16 (stay), 3
+    (into 4), then 0 (the loop stops); the moves index the cache, the tokens and the positions
+    on the device."""
+    from megatron_gspo.rollout.static_decode import StaticGenerator
+    from megatron_gspo.rollout.types import SamplingParams
+
+    m, _, gpt = gpu_model
+
+    class Decoded(Exception):
+        pass
+
+    gen = StaticGenerator(gpt, pad_id=0, readback_steps=4)
+    decode, step = gen._decode, gen._step
+    batches = []
+
+    def decode_then_stop(*args):
+        raise Decoded(decode(*args))
+
+    def step_and_record(model, cache, token_B, pos_B, cos, sin):
+        batches.append((len(token_B), len(pos_B), cache["valid"].shape[0],
+                        cache["keys"][-1].shape[0]))
+        return step(model, cache, token_B, pos_B, cos, sin)
+
+    gen._decode, gen._step = decode_then_stop, step_and_record
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, m.vocab_size, (n,), generator=g).tolist()
+               for n in (12, 30, 7, 64, 19, 41, 5, 26)]
+    params = SamplingParams(max_new_tokens=32, temperature=1.0, top_k=20, seed=4,
+                            stop_token_ids=(2,))
+    with pytest.raises(Decoded) as decoded, scripted_reads([32, 13, 16, 3, 0]) as check:
+        gen.generate(prompts, 4, params, routes=True)
+    assert check.answers == [] and gen.readbacks_run == 5 and gen.steps_run == 19
+    assert batches == [(32,) * 4] * 7 + [(16,) * 4] * 8 + [(4,) * 4] * 4
+    tokens_BR, logp_BR, count_B, routes_BSLK = decoded.value.args[0]
+    assert tokens_BR.shape == logp_BR.shape == (32, 32) and routes_BSLK.shape[0] == 32
     assert all(t.device == META for t in (tokens_BR, logp_BR, count_B, routes_BSLK))
 
 

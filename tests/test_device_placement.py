@@ -66,6 +66,12 @@ def test_the_check_on_planted_cases():
     with host_operands():
         y = (x + torch.tensor(2.0)) @ torch.ones(3, 3).to(META)  # a 0-dim scalar; a copy
     assert y.device == META
+    two = torch.tensor(2.0)
+    for op, fn in (("add", lambda: x + two), ("_to_copy", lambda: torch.ones(3).to(META))):
+        with pytest.raises(HostOperand, match=f"aten.{op}"), no_host_tensors():
+            fn()
+    with no_host_tensors():
+        assert (x * 2.0 + torch.arange(3, device=META)).device == META  # Python numbers pass
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +186,19 @@ def test_the_static_generator_at_the_rollouts_batch_stays_on_the_device(gpu_mode
     assert all(t.device == META for t in (tokens_BR, logp_BR, count_B, routes_BSLK))
 
 
+class no_host_tensors(TorchDispatchMode):
+    """Raises ``HostOperand`` at any operation on a host tensor, copies and 0-dim scalars
+    included: what a CUDA graph's capture needs (a copy from pageable host memory is not
+    allowed while capturing; a host scalar would be frozen into the graph)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(isinstance(t, torch.Tensor) and t.device.type == "cpu"
+               for t in tree_leaves((args, kwargs))):
+            raise HostOperand(f"{func} takes a host tensor inside a step to be captured")
+        return func(*args, **kwargs)
+
+
 class scripted_reads(host_operands):
     """``host_operands`` that answers the host's reads of a device scalar (``.item()``,
     ``int(t)``) from ``answers``, in order, where the meta device has no value to give."""
@@ -199,7 +218,8 @@ def test_the_readbacks_and_the_compaction_between_buckets_stay_on_the_device(gpu
     """The decoding loop past its readbacks: every 4 steps the host reads how many rows are
     left, here 32 (no smaller bucket), 13 (the rows move into a bucket of 16), 16 (stay), 3
     (into 4), then 0 (the loop stops); the moves index the cache, the tokens and the positions
-    on the device."""
+    on the device, and each decoding step touches no host tensor at all (as a CUDA graph's
+    capture needs)."""
     from megatron_gspo.rollout.static_decode import StaticGenerator
     from megatron_gspo.rollout.types import SamplingParams
 
@@ -218,7 +238,8 @@ def test_the_readbacks_and_the_compaction_between_buckets_stay_on_the_device(gpu
     def step_and_record(model, cache, token_B, pos_B, cos, sin):
         batches.append((len(token_B), len(pos_B), cache["valid"].shape[0],
                         cache["keys"][-1].shape[0]))
-        return step(model, cache, token_B, pos_B, cos, sin)
+        with no_host_tensors():  # the step a CUDA graph captures
+            return step(model, cache, token_B, pos_B, cos, sin)
 
     gen._decode, gen._step = decode_then_stop, step_and_record
     g = torch.Generator().manual_seed(2)

@@ -10,8 +10,10 @@ takes a host tensor beside device ones (CUDA refuses them; the meta device lets 
   CUDA rules met (its meta kernel checks the dtype and the 16-byte strides);
 - the static decoder at the rollout's batch of 32 (the prefill, sampling, stop tokens, routes,
   the decoding loop): the same; and with the host's reads of the rows left answered from a
-  script (``scripted_reads``), its readbacks and the moves of the rows into smaller buckets;
-- a planted host tensor and a planted read are caught.
+  script (``scripted_reads``), its readbacks and the moves of the rows into smaller buckets,
+  each decoding step touching no host tensor at all (``no_host_tensors``: a CUDA graph's
+  capture);
+- planted host tensors and a planted read are caught.
 
 (The bf16 model's values are not checked here: the tests on CPU compare them, the GPU tier runs
 them.)"""
@@ -54,6 +56,49 @@ class host_operands(TorchDispatchMode):
                 and any(t.device.type == "cpu" and t.dim() > 0 for t in tensors)):
             raise HostOperand(f"{func} takes a host tensor beside device tensors")
         return func(*args, **kwargs)
+
+
+class no_host_tensors(TorchDispatchMode):
+    """Raises ``HostOperand`` at any operation on a host tensor, copies and 0-dim scalars
+    included: what a CUDA graph's capture needs (a copy from pageable host memory is not
+    allowed while capturing; a host scalar would be frozen into the graph)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(isinstance(t, torch.Tensor) and t.device.type == "cpu"
+               for t in tree_leaves((args, kwargs))):
+            raise HostOperand(f"{func} takes a host tensor inside a step to be captured")
+        return func(*args, **kwargs)
+
+
+class scripted_reads(host_operands):
+    """``host_operands`` that answers the host's reads of a device scalar (``.item()``,
+    ``int(t)``) from ``answers``, in order, where the meta device has no value to give."""
+
+    def __init__(self, answers):
+        super().__init__()
+        self.answers = list(answers)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device == META:
+            self.ops += 1
+            return self.answers.pop(0)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class Decoded(Exception):
+    """Raised with the decoding loop's results, before the host reads them back (the meta
+    device has no values to read)."""
+
+
+def stop_after_decoding(gen) -> None:
+    """Makes ``gen.generate`` raise ``Decoded`` with its decoding loop's results."""
+    decode = gen._decode
+
+    def decode_then_stop(*args):
+        raise Decoded(decode(*args))
+
+    gen._decode = decode_then_stop
 
 
 def test_the_check_on_planted_cases():
@@ -162,16 +207,8 @@ def test_the_static_generator_at_the_rollouts_batch_stays_on_the_device(gpu_mode
 
     m, _, gpt = gpu_model
 
-    class Decoded(Exception):
-        pass
-
     gen = StaticGenerator(gpt, pad_id=0, readback_steps=8)
-    decode = gen._decode
-
-    def decode_then_stop(*args):
-        raise Decoded(decode(*args))
-
-    gen._decode = decode_then_stop
+    stop_after_decoding(gen)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, m.vocab_size, (n,), generator=g).tolist()
                for n in (64, 40, 17, 64, 33, 8, 51, 60)]
@@ -186,34 +223,6 @@ def test_the_static_generator_at_the_rollouts_batch_stays_on_the_device(gpu_mode
     assert all(t.device == META for t in (tokens_BR, logp_BR, count_B, routes_BSLK))
 
 
-class no_host_tensors(TorchDispatchMode):
-    """Raises ``HostOperand`` at any operation on a host tensor, copies and 0-dim scalars
-    included: what a CUDA graph's capture needs (a copy from pageable host memory is not
-    allowed while capturing; a host scalar would be frozen into the graph)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if any(isinstance(t, torch.Tensor) and t.device.type == "cpu"
-               for t in tree_leaves((args, kwargs))):
-            raise HostOperand(f"{func} takes a host tensor inside a step to be captured")
-        return func(*args, **kwargs)
-
-
-class scripted_reads(host_operands):
-    """``host_operands`` that answers the host's reads of a device scalar (``.item()``,
-    ``int(t)``) from ``answers``, in order, where the meta device has no value to give."""
-
-    def __init__(self, answers):
-        super().__init__()
-        self.answers = list(answers)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default and args[0].device == META:
-            self.ops += 1
-            return self.answers.pop(0)
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
 def test_the_readbacks_and_the_compaction_between_buckets_stay_on_the_device(gpu_model):
     """The decoding loop past its readbacks: every 4 steps the host reads how many rows are
     left, here 32 (no smaller bucket), 13 (the rows move into a bucket of 16), 16 (stay), 3
@@ -225,15 +234,9 @@ def test_the_readbacks_and_the_compaction_between_buckets_stay_on_the_device(gpu
 
     m, _, gpt = gpu_model
 
-    class Decoded(Exception):
-        pass
-
     gen = StaticGenerator(gpt, pad_id=0, readback_steps=4)
-    decode, step = gen._decode, gen._step
-    batches = []
-
-    def decode_then_stop(*args):
-        raise Decoded(decode(*args))
+    stop_after_decoding(gen)
+    step, batches = gen._step, []
 
     def step_and_record(model, cache, token_B, pos_B, cos, sin):
         batches.append((len(token_B), len(pos_B), cache["valid"].shape[0],
@@ -241,7 +244,7 @@ def test_the_readbacks_and_the_compaction_between_buckets_stay_on_the_device(gpu
         with no_host_tensors():  # the step a CUDA graph captures
             return step(model, cache, token_B, pos_B, cos, sin)
 
-    gen._decode, gen._step = decode_then_stop, step_and_record
+    gen._step = step_and_record
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, m.vocab_size, (n,), generator=g).tolist()
                for n in (12, 30, 7, 64, 19, 41, 5, 26)]

@@ -4,10 +4,12 @@ takes a host tensor beside device ones (CUDA refuses them; the meta device lets 
 ``matmul``, ``gather``). So, before any GPU runs them:
 
 - the update: the whole model built from the GPU backend's layers (SDPA attention, the sort
-  dispatcher, the grouped experts with their groups padded for Hopper) on a packed micro-batch as
-  the trainer makes it, forward, the policy loss of each algorithm, backward: every tensor on the
-  device, no read of the device (the meta device has no values: a read raises), ``grouped_mm``'s
-  CUDA rules met (its meta kernel checks the dtype and the 16-byte strides);
+  dispatcher, the grouped experts with their groups padded for Hopper) on three packed
+  micro-batches of host tensors through the trainer's ``forward_backward`` (Megatron's schedule,
+  the moves to the device), forward, the policy loss of each algorithm, backward: every tensor on
+  the device, no read of the device in any micro-batch (the meta device has no values: a read
+  raises), ``grouped_mm``'s CUDA rules met (its meta kernel checks the dtype and the 16-byte
+  strides);
 - the static decoder at the rollout's batch of 32 (the prefill, sampling, stop tokens, routes,
   the decoding loop): the same; and with the host's reads of the rows left answered from a
   script (``scripted_reads``), its readbacks and the moves of the rows into smaller buckets,
@@ -156,44 +158,58 @@ def gpu_model():
         destroy_parallel()
 
 
-@pytest.mark.parametrize("algo", ["gspo", "gspo_token", "grpo"])
-def test_an_update_on_a_packed_row_stays_on_the_device(gpu_model, algo):
-    from megatron_gspo.algorithms.logprobs import token_logprobs
-    from megatron_gspo.algorithms.losses import shard_policy_loss
+def packed_micro_batch(lengths, vocab_size: int, g: torch.Generator):
+    """A host micro-batch of one packed row of sequences of ``lengths`` (the first 40 tokens a
+    prompt), as the trainer's packing makes it."""
     from megatron_gspo.batch.micro_batch import MicroBatch
-    from megatron_gspo.distributed.seqshard import TokenShard
 
-    m, ctx, gpt = gpu_model
-    lengths = [300, 517, 207]  # (not multiples of the experts' padded group rows)
     n = sum(lengths)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, m.vocab_size, (1, n + 1), generator=g)
+    tokens = torch.randint(0, vocab_size, (1, n + 1), generator=g)
     mask = torch.ones(1, n)
-    mask[0, :40] = 0  # a prompt
-    host = MicroBatch(
+    mask[0, :40] = 0
+    return MicroBatch(
         tokens[:, :-1], tokens[:, 1:],
         position_ids_BS=torch.cat([torch.arange(k) for k in lengths])[None],
         old_logp_BS=-torch.rand(1, n, generator=g), loss_mask_BS=mask,
-        advantages_B=torch.randn(3, generator=g),
+        advantages_B=torch.randn(len(lengths), generator=g),
         cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
-        seq_BS=torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None])
-    packed = host.packed_seq_params(META)  # as forward.forward_backward makes them
-    mb = host.to(META)
-    for p in gpt.parameters():
-        p.grad = None
-    with host_operands() as check:
-        logits = gpt(mb.tokens_BS, mb.positions(), attention_mask=None, packed_seq_params=packed,
-                     padding_mask=(mb.loss_mask_BS <= 0).contiguous())
+        seq_BS=torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None])
+
+
+@pytest.mark.parametrize("algo", ["gspo", "gspo_token", "grpo"])
+def test_an_update_on_packed_micro_batches_stays_on_the_device(gpu_model, algo):
+    """Three packed micro-batches of host tensors through ``forward_backward`` as the policy
+    update runs it (Megatron's schedule; each micro-batch's packed parameters made from its host
+    bounds, then the micro-batch moved to the device; the routers' padding mask), the packed
+    policy loss, the backward: no read of the device, no host operand, in any micro-batch."""
+    from megatron_gspo.algorithms.logprobs import token_logprobs
+    from megatron_gspo.algorithms.losses import shard_policy_loss
+    from megatron_gspo.distributed.seqshard import TokenShard
+    from megatron_gspo.models.forward import forward_backward
+
+    m, ctx, gpt = gpu_model
+    g = torch.Generator().manual_seed(0)
+    # (lengths not multiples of the experts' padded group rows; one row of a single sequence)
+    mbs = [packed_micro_batch(lengths, m.vocab_size, g)
+           for lengths in ([300, 517, 207], [128, 64, 800], [1000])]
+    seen = []
+
+    def loss_fn(mb, logits):
+        seen.append((logits.shape, logits.dtype, mb.tokens_BS.device))
         logp, ent = token_logprobs(logits, mb.targets_BS, group=ctx.tp_group, with_entropy=True)
         shard = TokenShard.from_packed(logp, mb.old_logp_BS, mb.advantages_B, mb.loss_mask_BS,
                                        mb.seq_BS, mb.num_seqs, entropy_1N=ent.detach())
-        loss, metrics = shard_policy_loss(algo, shard, normalizer=3.0, clip_low=3e-4,
-                                          clip_high=4e-4)
-        forward_ops = check.ops
-        loss.backward()
-    assert logits.shape == (1, n, m.vocab_size) and logits.dtype == torch.bfloat16
-    assert check.ops > 1.5 * forward_ops > 0  # (the backward's operations were checked too)
-    assert all(v.device == META for v in metrics.values())
+        return shard_policy_loss(algo, shard, normalizer=7.0, clip_low=3e-4, clip_high=4e-4)
+
+    for p in gpt.parameters():
+        p.grad = None
+    with host_operands() as check:
+        out = forward_backward(gpt, mbs, dataclasses.replace(ctx, device=META), loss_fn,
+                               aux_mask=True)
+    assert seen == [((1, mb.tokens_BS.shape[1], m.vocab_size), torch.bfloat16, META)
+                    for mb in mbs]
+    assert len(out) == 3 and check.ops > 0
+    assert all(v.device == META for metrics in out for v in metrics.values())
     assert all(p.grad is not None and p.grad.device == META for p in gpt.parameters())
 
 

@@ -177,7 +177,7 @@ def packed_micro_batch(lengths, vocab_size: int, g: torch.Generator):
 
 
 @pytest.mark.parametrize("algo", ["gspo", "gspo_token", "grpo"])
-def test_an_update_on_packed_micro_batches_stays_on_the_device(gpu_model, algo):
+def test_an_update_on_packed_micro_batches_stays_on_the_device(gpu_model, algo, monkeypatch):
     """Three packed micro-batches of host tensors through ``forward_backward`` as the policy
     update runs it (Megatron's schedule; each micro-batch's packed parameters made from its host
     bounds, then the micro-batch moved to the device; the routers' padding mask), the packed
@@ -185,8 +185,13 @@ def test_an_update_on_packed_micro_batches_stays_on_the_device(gpu_model, algo):
     from megatron_gspo.algorithms.logprobs import token_logprobs
     from megatron_gspo.algorithms.losses import shard_policy_loss
     from megatron_gspo.distributed.seqshard import TokenShard
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     from megatron_gspo.models.forward import forward_backward
 
+    # Megatron keeps the auxiliary losses' backward scale in a class attribute, made on the
+    # device of the first micro-batch in the process and copied into after: here the meta device
+    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", None)
     m, ctx, gpt = gpu_model
     g = torch.Generator().manual_seed(0)
     # (lengths not multiples of the experts' padded group rows; one row of a single sequence)

@@ -1,7 +1,7 @@
 """Where one GPU's time goes, ours against Hugging Face transformers on the same weights.
 
     python scripts/perf_probe.py [--model 1b|tiny] [--device cuda|cpu] [--batch 32]
-                                 [--new-tokens 512] [--update-batch 8] [--update-seq 1024]
+                                 [--new-tokens 512] [--update-batch 32] [--update-seq 1024]
                                  [--compile-decode] [--compile-experts]
 
 One JSON line per section (``{"section": ..., ...}``), in about 9 minutes on an H100 / H200 with
@@ -11,7 +11,10 @@ the 1B MoE (0.31B active; ``scripts/gpu_check.py``'s shape), seeded weights:
 - ``parity``: our model's logits against transformers' ``Qwen3MoeForCausalLM`` loaded from our
   export of the same weights (largest difference);
 - ``update``: a training step on ``--update-batch`` x ``--update-seq`` tokens (forward,
-  backward, Adam): ours (megatron DDP, the distributed optimizer, bf16, sort dispatch) against a
+  backward, Adam; by default one micro-batch of ``trainer=gpu``'s packing budget,
+  ``max_tokens_per_micro_batch``: what the trainer feeds a GPU at a time; where that does not fit
+  the GPU's memory, half as many rows, until it fits, for both, the sizes that did not fit
+  listed): ours (megatron DDP, the distributed optimizer, bf16, sort dispatch) against a
   plain transformers step (bf16 autocast, fused AdamW), model TFLOP/s (6 x active parameters x
   tokens) and MFU against 989 TFLOP/s (H100 / H200 dense bf16); with ``--compile-experts``
   also ours with the grouped experts compiled (``backend.compile_experts``; its compilation
@@ -35,6 +38,7 @@ every section but CUDA graphs on CPU (the tests do).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -52,6 +56,7 @@ from gpu_check import MODEL_1B, param_counts  # noqa: E402
 from megatron_gspo.config import ModelConfig, ParallelConfig  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # H100 / H200 SXM, dense bf16
+GPU_TRAINER = os.path.join(ROOT, "conf", "trainer", "gpu.yaml")  # trainer=gpu
 
 
 START = time.perf_counter()
@@ -155,59 +160,99 @@ def rollout_rates(gpt, hf, ctx, args, prompts) -> dict:
     return {f"{k}_tokens_per_s": v for k, v in out.items()}
 
 
+def gpu_micro_batch_tokens() -> int:
+    """Tokens of one packed micro-batch under ``trainer=gpu``: its
+    ``max_tokens_per_micro_batch``."""
+    from omegaconf import OmegaConf
+
+    return int(OmegaConf.load(GPU_TRAINER).max_tokens_per_micro_batch)
+
+
+def largest_that_fits(measure, rows: int) -> tuple:
+    """``measure(rows)``, with half as many rows each time the device's memory runs out (both
+    sides of a comparison measured again on the same tokens): ``(rows, result, rows that did not
+    fit)``."""
+    too_many = []
+    while True:
+        try:
+            return rows, measure(rows), too_many
+        except torch.OutOfMemoryError:
+            pass  # (the failed step's tensors go with the exception, before the next try)
+        too_many.append(rows)
+        note(f"out of memory at {rows} rows; {rows // 2} next")
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()  # (the memory section: the sizes that fit)
+        rows //= 2
+        if rows == 0:
+            raise SystemExit("perf_probe: not one row fits the device's memory")
+
+
 def update_rates(gpt, hf, m, ctx, args) -> tuple:
     from megatron_gspo.algorithms.logprobs import token_logprobs
     from megatron_gspo.models.grouped_experts import compile_grouped_experts
     from megatron_gspo.trainer.optim import OptimConfig, wrap_and_build_optimizer
 
     _, active = param_counts(m)
-    g = torch.Generator().manual_seed(2)
-    batch = torch.randint(3, m.vocab_size, (args.update_batch, args.update_seq + 1), generator=g)
-    batch = batch.to(ctx.device)
-    x, y = batch[:, :-1], batch[:, 1:]
-    pos = torch.arange(args.update_seq, device=ctx.device).expand_as(x)
     ddp, opt = wrap_and_build_optimizer(gpt, ctx, OptimConfig(lr=1e-6))
-    gpt.train()
-
-    def ours():
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        logits = ddp(x, pos, attention_mask=None)
-        logp, _ = token_logprobs(logits, y, group=None)
-        (-logp.mean()).backward()
-        opt.step()
-
-    hf.train()
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-6, fused=ctx.device.type == "cuda")
+    gpt.train()
+    hf.train()
 
-    def theirs():
-        hf_opt.zero_grad(set_to_none=True)
-        with torch.autocast(ctx.device.type, dtype=torch.bfloat16,
-                            enabled=ctx.device.type == "cuda"):
-            logits = hf(input_ids=x).logits
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, y[..., None])[..., 0]
-        (-logp.mean()).backward()
-        hf_opt.step()
+    def steps_at(rows: int):
+        g = torch.Generator().manual_seed(2)
+        batch = torch.randint(3, m.vocab_size, (rows, args.update_seq + 1), generator=g)
+        batch = batch.to(ctx.device)
+        x, y = batch[:, :-1], batch[:, 1:]
+        pos = torch.arange(args.update_seq, device=ctx.device).expand_as(x)
 
-    flops = 6 * active * x.numel()
-    out = {}
-    runs = [("ours", ours), ("hf", theirs)] + ([("ours_compiled", ours)]
-                                                if args.compile_experts else [])
-    for name, fn in runs:
-        if name == "ours_compiled" and not compile_grouped_experts(gpt):
-            raise SystemExit("perf_probe: --compile-experts: no layer runs the grouped experts")
-        fn()  # (warm-up; the compilation where compiled)
-        seconds = timed(fn, ctx.device, repeats=3)
-        out[f"{name}_s"] = seconds
-        out[f"{name}_tflops"] = flops / seconds / 1e12
-        out[f"{name}_mfu"] = out[f"{name}_tflops"] / PEAK_TFLOPS
-        note(f"update {name}: {out[f'{name}_tflops']:.1f} TFLOP/s")
+        def ours():
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            logits = ddp(x, pos, attention_mask=None)
+            logp, _ = token_logprobs(logits, y, group=None)
+            (-logp.mean()).backward()
+            opt.step()
+
+        def theirs():
+            hf_opt.zero_grad(set_to_none=True)
+            with torch.autocast(ctx.device.type, dtype=torch.bfloat16,
+                                enabled=ctx.device.type == "cuda"):
+                logits = hf(input_ids=x).logits
+            logp = torch.log_softmax(logits.float(), -1).gather(-1, y[..., None])[..., 0]
+            (-logp.mean()).backward()
+            hf_opt.step()
+
+        return ours, theirs, 6 * active * x.numel()
+
+    def measure(rows: int) -> dict:
+        ours, theirs, flops = steps_at(rows)
+        out = {}
+        runs = [("ours", ours), ("hf", theirs)] + ([("ours_compiled", ours)]
+                                                    if args.compile_experts else [])
+        for name, fn in runs:
+            if name == "ours_compiled" and not compile_grouped_experts(gpt):
+                raise SystemExit("perf_probe: --compile-experts: no layer runs the grouped "
+                                 "experts")
+            fn()  # (warm-up; the compilation where compiled)
+            seconds = timed(fn, ctx.device, repeats=3)
+            out[f"{name}_s"] = seconds
+            out[f"{name}_tflops"] = flops / seconds / 1e12
+            out[f"{name}_mfu"] = out[f"{name}_tflops"] / PEAK_TFLOPS
+            note(f"update {name} ({rows * args.update_seq} tokens): "
+                 f"{out[f'{name}_tflops']:.1f} TFLOP/s")
+        return out
+
+    rows, out, too_many = largest_that_fits(measure, args.update_batch)
+    out = {"tokens": rows * args.update_seq,
+           "out_of_memory_at_tokens": [r * args.update_seq for r in too_many], **out}
     for layer in gpt.modules():  # the rollout and the profile after this run the eager experts
         if getattr(layer, "compiled", None) is not None:
             layer.compiled = None
     gpt.eval()
     hf.eval()
-    return out, ours
+    return out, steps_at(rows)[0]
 
 
 def profiled(fn, device) -> tuple:
@@ -256,13 +301,16 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--update-batch", type=int, default=8)
+    p.add_argument("--update-batch", type=int, default=None,
+                   help="rows of the update (default: trainer=gpu's micro-batch of tokens)")
     p.add_argument("--update-seq", type=int, default=1024)
     p.add_argument("--compile-decode", action="store_true",
                    help="also time the static decoder compiled (rollout.compile_decode)")
     p.add_argument("--compile-experts", action="store_true",
                    help="also time the update with the grouped experts compiled")
     args = p.parse_args()
+    if args.update_batch is None:
+        args.update_batch = max(1, gpu_micro_batch_tokens() // args.update_seq)
     warnings.filterwarnings("ignore")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("perf_probe: no CUDA device (use --device cpu --model tiny to try it)")
@@ -283,7 +331,7 @@ def main() -> None:
                             generator=g).tolist()
     # (the update first: see the docstring)
     update, micro_batch = update_rates(gpt, hf, m, ctx, args)
-    emit("update", tokens=args.update_batch * args.update_seq, **update)
+    emit("update", **update)
     rollout = rollout_rates(gpt, hf, ctx, args, prompts)
     emit("rollout", batch=args.batch, new_tokens=args.new_tokens, **rollout)
     emit("profile", **profile_counts(gpt, ctx, prompts[:min(8, len(prompts))], micro_batch))

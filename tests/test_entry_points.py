@@ -165,6 +165,34 @@ def test_the_perf_probe_runs_every_section_on_cpu():
     assert {"ours_as_is_tokens_per_s", "ours_static_tokens_per_s", "hf_dynamic_cache_tokens_per_s",
             "hf_static_cache_tokens_per_s", "ours_compiled_tokens_per_s"} <= set(lines[3])
     assert {"ours_tflops", "hf_tflops", "ours_compiled_tflops"} <= set(lines[2])
+    assert lines[2]["tokens"] == 2 * 8 and lines[2]["out_of_memory_at_tokens"] == []
     assert {"update_step_kernels", "update_busy_share", "decode_5_steps_kernels",
             "decode_busy_share"} <= set(lines[4])
     assert out.stdout.strip().splitlines()[-1].startswith("ours vs HF: rollout ")
+
+
+def test_the_perf_probes_update_is_a_gpu_micro_batch_or_the_largest_that_fits():
+    """By default the probe's update is one micro-batch of ``trainer=gpu`` (what the trainer feeds
+    a GPU at a time); where the device's memory runs out (CUDA raises ``torch.OutOfMemoryError``)
+    it measures again with half as many rows, both sides on the same tokens, and lists the sizes
+    that did not fit."""
+    from megatron_gspo.config.load import compose_job
+    from scripts import perf_probe
+
+    assert perf_probe.gpu_micro_batch_tokens() == \
+        compose_job(["trainer=gpu"]).trainer.max_tokens_per_micro_batch == 32768
+    tried = []
+
+    def measure(rows):
+        tried.append(rows)
+        if rows > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+        return {"rows": rows}
+
+    assert perf_probe.largest_that_fits(measure, 32) == (8, {"rows": 8}, [32, 16])
+    assert tried == [32, 16, 8]
+    assert perf_probe.largest_that_fits(measure, 5) == (5, {"rows": 5}, [])
+    with pytest.raises(SystemExit, match="not one row fits"):
+        perf_probe.largest_that_fits(lambda rows: measure(99), 3)
+    with pytest.raises(ValueError):  # other faults are not retried
+        perf_probe.largest_that_fits(lambda rows: int("x"), 4)

@@ -37,7 +37,20 @@ import torch.nn.functional as F  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+import megatron_gspo.models.model as model_module  # noqa: E402
+from megatron_gspo.algorithms.logprobs import token_logprobs  # noqa: E402
+from megatron_gspo.backends.gpu import GPU  # noqa: E402
+from megatron_gspo.config import ParallelConfig  # noqa: E402
 from megatron_gspo.debug import count_host_syncs  # noqa: E402
+from megatron_gspo.distributed.parallel import init_parallel  # noqa: E402
+from megatron_gspo.models.hf_io import SeededTensors  # noqa: E402
+from megatron_gspo.models.hf_mapping import export_hf, load_hf_weights  # noqa: E402
+from megatron_gspo.rollout.local_engine import LocalEngine  # noqa: E402
+from megatron_gspo.rollout.static_decode import StaticGenerator  # noqa: E402
+from megatron_gspo.rollout.types import SamplingParams  # noqa: E402
+from scripts.gpu_check import MODEL_1B  # noqa: E402
 
 # operators that allocate without writing or only describe other memory: no kernel
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
@@ -104,15 +117,6 @@ def per_step(generate, short: int, long: int) -> dict:
 def build(args):
     """Our model from the GPU backend's layers on the host, seeded weights, and transformers'
     model loaded from our export of them."""
-    import megatron_gspo.models.model as model_module
-    from megatron_gspo.backends.gpu import GPU
-    from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.distributed.parallel import init_parallel
-    from megatron_gspo.models.hf_io import SeededTensors
-    from megatron_gspo.models.hf_mapping import export_hf, load_hf_weights
-    from scripts.gpu_check import MODEL_1B
-    from transformers import AutoModelForCausalLM
-
     h = args.hidden
     m = dataclasses.replace(MODEL_1B, vocab_size=1024, hidden_size=h, head_dim=h // 4,
                             num_attention_heads=4, num_query_groups=2, ffn_hidden_size=2 * h,
@@ -135,15 +139,13 @@ def build(args):
 
 
 def decoding(m, ctx, gpt, hf, args) -> dict:
-    from megatron_gspo.rollout.local_engine import LocalEngine
-    from megatron_gspo.rollout.static_decode import StaticGenerator
-    from megatron_gspo.rollout.types import SamplingParams
-
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, m.vocab_size, (args.batch, args.prompt_tokens), generator=g)
+    as_is = LocalEngine(gpt, ctx, pad_id=0)
+    as_is.direct_decode = False  # (the CPU backend's own decoding step; a GPU's has none)
     engines = {"ours (static decoder)": LocalEngine(gpt, ctx, pad_id=0,
                                                     static=StaticGenerator(gpt, pad_id=0)),
-               "ours (megatron's forward)": LocalEngine(gpt, ctx, pad_id=0)}
+               "ours (megatron's forward)": as_is}
     out = {}
     for name, engine in engines.items():
         out[name] = per_step(lambda k, e=engine: e.generate(
@@ -160,8 +162,6 @@ def decoding(m, ctx, gpt, hf, args) -> dict:
 
 
 def update(m, ctx, gpt, hf, args) -> dict:
-    from megatron_gspo.algorithms.logprobs import token_logprobs
-
     g = torch.Generator().manual_seed(1)
     rows = max(1, args.update_tokens // 512)
     batch = torch.randint(3, m.vocab_size, (rows, 513), generator=g)

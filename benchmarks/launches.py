@@ -39,7 +39,6 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-import megatron_gspo.models.model as model_module  # noqa: E402
 from megatron_gspo.algorithms.logprobs import token_logprobs  # noqa: E402
 from megatron_gspo.backends.gpu import GPU  # noqa: E402
 from megatron_gspo.config import ParallelConfig  # noqa: E402
@@ -47,6 +46,7 @@ from megatron_gspo.debug import count_host_syncs  # noqa: E402
 from megatron_gspo.distributed.parallel import init_parallel  # noqa: E402
 from megatron_gspo.models.hf_io import SeededTensors  # noqa: E402
 from megatron_gspo.models.hf_mapping import export_hf, load_hf_weights  # noqa: E402
+from megatron_gspo.models.model import build_model  # noqa: E402
 from megatron_gspo.rollout.local_engine import LocalEngine  # noqa: E402
 from megatron_gspo.rollout.static_decode import StaticGenerator  # noqa: E402
 from megatron_gspo.rollout.types import SamplingParams  # noqa: E402
@@ -125,12 +125,7 @@ def build(args):
     # (the all-to-all dispatcher makes a CUDA stream when built; at ep=1 the sort dispatcher
     # replaces either)
     gpu_layers = dataclasses.replace(GPU, init_on_cpu=True, token_dispatcher="allgather")
-    real = model_module.backend_for
-    model_module.backend_for = lambda device: gpu_layers
-    try:
-        gpt = model_module.build_model(m, ctx)
-    finally:
-        model_module.backend_for = real
+    gpt = build_model(m, ctx, backend=gpu_layers)
     load_hf_weights(gpt, SeededTensors(m, 1), m, ctx)
     out = tempfile.mkdtemp(prefix="launches_hf_")
     export_hf(gpt, m, ctx, out)

@@ -130,23 +130,18 @@ def gpu_model():
     warnings.filterwarnings("ignore")
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    import megatron_gspo.models.model as model_module
     from megatron_gspo.backends.gpu import GPU
     from megatron_gspo.config import ParallelConfig
     from megatron_gspo.distributed.parallel import destroy_parallel, init_parallel
     from megatron_gspo.models.dispatch import SortTokenDispatcher
     from megatron_gspo.models.grouped_experts import GroupedSequentialMLP
+    from megatron_gspo.models.model import build_model
 
     m = dataclasses.replace(MODEL_1B, num_layers=2)
     ctx = init_parallel(ParallelConfig(device="cpu"), m, seed=0)
     on_host = dataclasses.replace(GPU, init_on_cpu=True, token_dispatcher="allgather")
-    mp = pytest.MonkeyPatch()
-    mp.setattr(model_module, "backend_for", lambda device: on_host)
     try:
-        gpt = model_module.build_model(m, ctx)
-    finally:
-        mp.undo()
-    try:
+        gpt = build_model(m, ctx, backend=on_host)
         moes = [x for x in gpt.modules() if isinstance(x, MoELayer)]
         assert len(moes) == 2 and all(isinstance(x.token_dispatcher, SortTokenDispatcher)
                                       and type(x.experts) is GroupedSequentialMLP for x in moes)

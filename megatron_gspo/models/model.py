@@ -25,9 +25,12 @@ from megatron_gspo.models.layers import RotatedCacheSelfAttention
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def transformer_config(model: ModelConfig, ctx: ParallelContext, **overrides):
-    """Megatron ``TransformerConfig`` for ``model`` under layout ``ctx``."""
+def transformer_config(model: ModelConfig, ctx: ParallelContext, *,
+                       backend: Optional[Backend] = None, **overrides):
+    """Megatron ``TransformerConfig`` for ``model`` under layout ``ctx``, with ``backend``'s
+    choices (default: the device's)."""
     dtype = _DTYPES[model.params_dtype]
+    backend = backend or backend_for(ctx.device)
     moe = {}
     if model.is_moe:
         moe = dict(
@@ -46,7 +49,7 @@ def transformer_config(model: ModelConfig, ctx: ParallelContext, **overrides):
             moe_router_bias_update_rate=model.router_bias_update_rate,
             moe_router_dtype="fp32",
             moe_layer_freq=model.moe_layer_pattern,
-            moe_token_dispatcher_type=backend_for(ctx.device).token_dispatcher,
+            moe_token_dispatcher_type=backend.token_dispatcher,
             moe_grouped_gemm=te.use_te_spec(ctx.device.type),
             moe_permute_fusion=False,
             moe_shared_expert_intermediate_size=model.shared_expert_ffn_hidden_size or None,
@@ -77,7 +80,7 @@ def transformer_config(model: ModelConfig, ctx: ParallelContext, **overrides):
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=backend_for(ctx.device).init_on_cpu,
+        use_cpu_initialization=backend.init_on_cpu,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -125,13 +128,15 @@ def layer_spec(config, ctx: ParallelContext, backend: Backend, grouped_experts: 
 
 def build_model(model: ModelConfig, ctx: ParallelContext, *,
                 kernels: Optional[BackendConfig] = None, use_grouped_experts=None,
-                **config_overrides):
+                backend: Optional[Backend] = None, **config_overrides):
     """This rank's ``GPTModel`` (its pipeline stage, TP shard and local experts), on ctx.device,
-    from the layer classes of the device's backend; ``kernels``: its choices (``backend`` in the
-    job's config); ``use_grouped_experts`` overrides ``kernels.grouped_experts``."""
+    from the layer classes of ``backend`` (default: the device's; another device's backend
+    builds its layers here, to check them off that device); ``kernels``: its choices
+    (``backend`` in the job's config); ``use_grouped_experts`` overrides
+    ``kernels.grouped_experts``."""
     kernels = kernels or BackendConfig()
-    backend = backend_for(ctx.device)
-    config = transformer_config(model, ctx, **config_overrides)
+    backend = backend or backend_for(ctx.device)
+    config = transformer_config(model, ctx, backend=backend, **config_overrides)
     rope.cache_rope_tables()
     if model.router_expert_bias:
         router_losses.fix_expert_bias_padding()

@@ -10,13 +10,13 @@ the 1B MoE (0.31B active; ``scripts/gpu_check.py``'s shape), seeded weights:
 - ``launch``: microseconds per kernel launch (a tiny add, queued) and per host synchronisation;
 - ``parity``: our model's logits against transformers' ``Qwen3MoeForCausalLM`` loaded from our
   export of the same weights (largest difference);
-- ``update``: a training step on ``--update-batch`` x ``--update-seq`` tokens (forward,
-  backward, Adam; by default one micro-batch of ``trainer=gpu``'s packing budget,
-  ``max_tokens_per_micro_batch``: what the trainer feeds a GPU at a time; where that does not fit
-  the GPU's memory, half as many rows, until it fits, for both, the sizes that did not fit
-  listed): ours (megatron DDP, the distributed optimizer, bf16, sort dispatch) against a
-  plain transformers step (bf16 autocast, fused AdamW), model TFLOP/s (6 x active parameters x
-  tokens) and MFU against 989 TFLOP/s (H100 / H200 dense bf16); with ``--compile-experts``
+- ``update``: a training step (forward, backward, Adam) on ``--update-batch`` x
+  ``--update-seq`` tokens, by default one micro-batch of ``trainer=gpu`` (its
+  ``max_tokens_per_micro_batch``: what the trainer feeds a GPU at a time): ours (megatron DDP,
+  the distributed optimizer, bf16, sort dispatch) against a plain transformers step (bf16
+  autocast, fused AdamW), model TFLOP/s (6 x active parameters x tokens) and MFU against 989
+  TFLOP/s (H100 / H200 dense bf16); where the GPU's memory runs out, both again with half the
+  rows (the sizes that did not fit listed); with ``--compile-experts``
   also ours with the grouped experts compiled (``backend.compile_experts``; its compilation
   before the timed steps; the sections after it run the eager experts again). It comes before
   the rollout (the slower measurement), so a run stopped by a time limit keeps both goals'

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from megatron_gspo.algorithms.logprobs import token_logprobs  # noqa: E402
-from megatron_gspo.backends.gpu import GPU  # noqa: E402
+from megatron_gspo.backends.gpu import GPU_ON_HOST  # noqa: E402
 from megatron_gspo.config import ParallelConfig  # noqa: E402
 from megatron_gspo.debug import count_host_syncs  # noqa: E402
 from megatron_gspo.distributed.parallel import init_parallel  # noqa: E402
@@ -122,10 +122,7 @@ def build(args):
                             num_attention_heads=4, num_query_groups=2, ffn_hidden_size=2 * h,
                             moe_ffn_hidden_size=h // 2)
     ctx = init_parallel(ParallelConfig(device="cpu"), m, seed=0)
-    # (the all-to-all dispatcher makes a CUDA stream when built; at ep=1 the sort dispatcher
-    # replaces either)
-    gpu_layers = dataclasses.replace(GPU, init_on_cpu=True, token_dispatcher="allgather")
-    gpt = build_model(m, ctx, backend=gpu_layers)
+    gpt = build_model(m, ctx, backend=GPU_ON_HOST)
     load_hf_weights(gpt, SeededTensors(m, 1), m, ctx)
     out = tempfile.mkdtemp(prefix="launches_hf_")
     export_hf(gpt, m, ctx, out)

@@ -189,6 +189,13 @@ def largest_that_fits(measure, rows: int) -> tuple:
             raise SystemExit("perf_probe: not one row fits the device's memory")
 
 
+def eager_experts(gpt) -> None:
+    """The grouped experts uncompiled again (``compile_grouped_experts`` undone)."""
+    for layer in gpt.modules():
+        if getattr(layer, "compiled", None) is not None:
+            layer.compiled = None
+
+
 def update_rates(gpt, hf, m, ctx, args) -> tuple:
     from megatron_gspo.algorithms.logprobs import token_logprobs
     from megatron_gspo.models.grouped_experts import compile_grouped_experts
@@ -227,6 +234,7 @@ def update_rates(gpt, hf, m, ctx, args) -> tuple:
         return ours, theirs, 6 * active * x.numel()
 
     def measure(rows: int) -> dict:
+        eager_experts(gpt)  # (a try after running out of memory starts uncompiled again)
         ours, theirs, flops = steps_at(rows)
         out = {}
         runs = [("ours", ours), ("hf", theirs)] + ([("ours_compiled", ours)]
@@ -247,9 +255,7 @@ def update_rates(gpt, hf, m, ctx, args) -> tuple:
     rows, out, too_many = largest_that_fits(measure, args.update_batch)
     out = {"tokens": rows * args.update_seq,
            "out_of_memory_at_tokens": [r * args.update_seq for r in too_many], **out}
-    for layer in gpt.modules():  # the rollout and the profile after this run the eager experts
-        if getattr(layer, "compiled", None) is not None:
-            layer.compiled = None
+    eager_experts(gpt)  # the rollout and the profile after this run the eager experts
     gpt.eval()
     hf.eval()
     return out, steps_at(rows)[0]

@@ -130,7 +130,7 @@ def gpu_model():
     warnings.filterwarnings("ignore")
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from megatron_gspo.backends.gpu import GPU
+    from megatron_gspo.backends.gpu import GPU_ON_HOST
     from megatron_gspo.config import ParallelConfig
     from megatron_gspo.distributed.parallel import destroy_parallel, init_parallel
     from megatron_gspo.models.dispatch import SortTokenDispatcher
@@ -139,9 +139,8 @@ def gpu_model():
 
     m = dataclasses.replace(MODEL_1B, num_layers=2)
     ctx = init_parallel(ParallelConfig(device="cpu"), m, seed=0)
-    on_host = dataclasses.replace(GPU, init_on_cpu=True, token_dispatcher="allgather")
     try:
-        gpt = build_model(m, ctx, backend=on_host)
+        gpt = build_model(m, ctx, backend=GPU_ON_HOST)
         moes = [x for x in gpt.modules() if isinstance(x, MoELayer)]
         assert len(moes) == 2 and all(isinstance(x.token_dispatcher, SortTokenDispatcher)
                                       and type(x.experts) is GroupedSequentialMLP for x in moes)

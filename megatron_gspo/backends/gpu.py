@@ -3,6 +3,8 @@ imports: ``models.te``), the all-to-all dispatcher, checkpoints each rank writes
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.core import tensor_parallel
 
 from megatron_gspo.backends.backend import Backend
@@ -27,3 +29,8 @@ GPU = Backend(name="gpu", norm=RMSNorm, attention=SDPAttention, experts=GroupedS
               token_dispatcher="alltoall", init_on_cpu=False, activate=lambda: [], seed=_seed,
               checkpoint_format="dp_reshardable", exact_engine=False, layers=_layers,
               static_decode=True, sort_dispatch=True)
+
+# The GPU backend's layers built on the host, to check them off a GPU (``build_model(...,
+# backend=GPU_ON_HOST)``): parameters made on the host, and the all-gather dispatcher where the
+# all-to-all one would make a CUDA stream when built (at ep=1 the sort dispatcher replaces either).
+GPU_ON_HOST = dataclasses.replace(GPU, init_on_cpu=True, token_dispatcher="allgather")

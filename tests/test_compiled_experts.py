@@ -108,6 +108,7 @@ def test_a_training_step_with_compiled_experts_equals_eager(gpt):
     from megatron_gspo.models.grouped_experts import GroupedSequentialMLP
     from megatron_gspo.models.hf_io import SeededTensors
     from megatron_gspo.models.hf_mapping import load_hf_weights
+    from megatron_gspo.models import router_losses
     from megatron_gspo.models.model import build_model
     from megatron_gspo.trainer.optim import OptimConfig, wrap_and_build_optimizer
 
@@ -126,6 +127,7 @@ def test_a_training_step_with_compiled_experts_equals_eager(gpt):
         ddp, opt = wrap_and_build_optimizer(model, ctx, OptimConfig(lr=1e-2))
         ddp.zero_grad_buffer()
         opt.zero_grad()
+        router_losses.reset()  # (as the trainer does before a forward-backward)
         logp, _ = token_logprobs(ddp(x, pos, attention_mask=None), y, group=None)
         loss = -logp.float().mean()
         loss.backward()

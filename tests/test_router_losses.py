@@ -99,3 +99,30 @@ def test_load_balancing_loss_of_no_tokens_is_zero_not_nan():
                 topk=2, num_experts=4, moe_aux_loss_coeff=1.0)
     from megatron.core.transformer.moe import moe_utils
     assert router.switch_load_balancing_loss_func(**args) == moe_utils.switch_load_balancing_loss_func(**args)
+
+
+def test_a_deeper_model_later_in_the_same_process_logs_its_router_losses():
+    """A sweep's jobs run one after another in one process (Hydra's basic launcher). megatron
+    keeps the routers' losses in a process-wide tracker made at the first model's depth; a
+    deeper model trained after it logs every layer's loss, as it does alone."""
+    from megatron_gspo.models import router_losses
+    from tests.test_host_syncs import tiny_moe_model
+
+    def logged(layers: int) -> float:
+        with tiny_moe_model(1, config=dict(num_layers=layers)) as (_, ctx, gpt):
+            gpt.train()
+            router_losses.set_coefficients(gpt.config, aux_loss_coeff=0.01, z_loss_coeff=0.0)
+            tokens = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+            router_losses.reset()
+            logits = gpt(tokens, torch.arange(9).expand_as(tokens), attention_mask=None)
+            logits.float().logsumexp(-1).mean().backward()
+            return router_losses.collect(gpt.config, ctx, 1)["load_balancing_loss"]
+
+    from megatron.core.transformer.moe import moe_utils
+
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    tracker.clear()  # as in a fresh process
+    deeper_alone = logged(4)
+    tracker.clear()
+    assert logged(2) > 0
+    assert logged(4) == pytest.approx(deeper_alone, rel=1e-6)

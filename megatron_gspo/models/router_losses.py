@@ -39,8 +39,11 @@ def set_coefficients(config, *, aux_loss_coeff: float, z_loss_coeff: float) -> N
 
 
 def reset() -> None:
-    """Forget the values of earlier forwards (call before a forward-backward that is logged)."""
-    moe_utils.clear_aux_losses_tracker()
+    """Forget the values of earlier forwards (call before a forward-backward that is logged).
+    The tracker's entries go, not only their values (megatron's ``clear_aux_losses_tracker``
+    zeroes them): an entry is made at the depth of the model that first logs it, and a deeper
+    model later in the same process (a sweep's next job) would index past its end."""
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
 
 
 def collect(config, ctx, num_microbatches: int) -> dict:

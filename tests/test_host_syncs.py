@@ -371,3 +371,42 @@ def test_the_static_generator_equals_the_trainer(tiny, readback, seed):
         assert s.routes_TLK.shape == trainer_routes.shape
         same = (s.routes_TLK.sort(-1).values == trainer_routes.sort(-1).values).all(-1)
         assert same.float().mean() >= 0.99  # (a near tie may flip at float rounding)
+
+
+@pytest.mark.parametrize("readback", [1, 3])
+def test_seeded_rows_sample_what_the_engines_own_decoding_samples(tiny, readback, monkeypatch):
+    """The static generator hashes the rows' sampling numbers for several steps at once
+    (windows of 5 here, crossed by the readbacks that move the rows into smaller buckets): each
+    seeded row samples the same tokens as the engine's own decoding, which hashes one step at a
+    time. And the hash of ``[W]`` steps is the ``W`` hashes of one step, bit for bit."""
+    import megatron_gspo.rollout.static_decode as sd
+    from megatron_gspo.rollout.local_engine import LocalEngine
+    from megatron_gspo.rollout.sampling import row_uniform
+    from megatron_gspo.rollout.types import SamplingParams
+
+    seeds = torch.arange(1000) * 7_919 + 2**40
+    steps = torch.arange(5, 69)
+    assert torch.equal(row_uniform(seeds, steps),
+                       torch.stack([row_uniform(seeds, int(s)) for s in steps], 1))
+
+    _, ctx, gpt = tiny
+    monkeypatch.setattr(sd, "UNIFORM_STEPS", 5)
+    prompts = [[1, 5, 9, 11], [1, 7], [1, 20, 21, 22, 23, 24, 25], [1, 40, 41]]
+    params = SamplingParams(max_new_tokens=24, temperature=1.0,
+                            stop_token_ids=tuple(range(3, 128, 8)), seed=5)
+    own = LocalEngine(gpt, ctx, pad_id=0)
+    gen = sd.StaticGenerator(gpt, pad_id=0, readback_steps=readback)
+    static = LocalEngine(gpt, ctx, pad_id=0, static=gen)
+    assert own.static is None and static.static is gen
+    step, buckets = gen._step, []
+
+    def recorded(model, cache, token_B, *a):
+        buckets.append(len(token_B))
+        return step(model, cache, token_B, *a)
+
+    gen._step = recorded
+    expected = own.generate(prompts, 3, params)
+    got = static.generate(prompts, 3, params)
+    assert buckets[0] == 12 and {2, 4} <= set(buckets)  # moved into smaller buckets twice
+    assert len({len(s.response_ids) for s in got}) > 5  # rows stopped at different steps
+    assert [s.response_ids for s in got] == [s.response_ids for s in expected]

@@ -30,12 +30,14 @@ def row_uniform(row_seeds: torch.Tensor, step) -> torch.Tensor:
     """[B] uniform numbers in (0, 1) with 53 random bits (float64), a pure function of each row's
     seed and the decoding step (a counter-based hash, for the whole batch at once on the seeds'
     device): a row samples the same tokens whichever rank, batch or position in the batch
-    generates it. ``step``: an int, or an int64 tensor on the seeds' device (a decoding loop that
-    keeps its counter there)."""
+    generates it. ``step``: an int, or an int64 tensor on the seeds' device, a scalar (a decoding
+    loop that keeps its counter there) or ``[W]`` steps, which gives ``[B, W]`` numbers (the
+    same as ``W`` calls, hashed together)."""
     seeds = row_seeds.to(torch.int64)
     key = _mix32((seeds & _MASK32) ^ _mix32(((seeds >> 32) & _MASK32) ^ 0x9E3779B9))
     if isinstance(step, torch.Tensor):
-        counter = ((step.to(torch.int64) * 0x632BE5AB + 1) & _MASK32).expand_as(key)
+        counter = (step.to(torch.int64) * 0x632BE5AB + 1) & _MASK32
+        key = key[:, None] if counter.dim() else key  # (the counters hashed once, broadcast)
     else:
         counter = torch.full_like(key, (step * 0x632BE5AB + 1) & _MASK32)
     key = _mix32(key ^ _mix32(counter))

@@ -3,14 +3,14 @@ on the device, sampling on the device, the finished flags read back every few st
 
 ``StaticGenerator`` drives ``rollout.static_model.forward_tokens``: the prompts' prefill, then
 decoding steps sampling on the device (``sampling.sample_next`` with ``row_uniform`` of a device
-step counter; unseeded rows get random seeds), each row's tokens, log-probs and routes written
-into device buffers; the host reads only the finished flags, every ``readback_steps`` steps, to
-stop early or to move the rows still decoding into a smaller batch bucket (a power of two: rows
-that finish inside a bucket only stop being written). The cache holds a multiple of
-``POSITION_MULTIPLE`` positions (a power of two when compiled), so that a compiled step is
-reused across calls; past ``COMPILED_SHAPES`` compilations the step runs uncompiled (one log
-line). CUDA graphs are captured per bucket over one call's cache and dropped at its end. Where
-``unsupported`` names a reason, the engine takes the model's forward.
+step counter, hashed for ``UNIFORM_STEPS`` steps at once; unseeded rows get random seeds), each
+row's tokens, log-probs and routes written into device buffers; the host reads only the finished
+flags, every ``readback_steps`` steps, to stop early or to move the rows still decoding into a
+smaller batch bucket (a power of two: rows that finish inside a bucket only stop being written).
+The cache holds a multiple of ``POSITION_MULTIPLE`` positions (a power of two when compiled), so
+that a compiled step is reused across calls; past ``COMPILED_SHAPES`` compilations the step runs
+uncompiled (one log line). CUDA graphs are captured per bucket over one call's cache and
+dropped at its end. Where ``unsupported`` names a reason, the engine takes the model's forward.
 
 Legend: ``B`` rows, ``S`` cache positions, ``L`` MoE layers, ``K`` top-k, ``R`` new tokens.
 """
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 POSITION_MULTIPLE = 128  # the cache's positions are a multiple of this (shapes reused)
 COMPILED_SHAPES = 128  # compilations of the step at most (batch buckets x cache lengths)
+UNIFORM_STEPS = 64  # decoding steps whose sampling numbers are hashed together
 
 
 class StaticGenerator:
@@ -123,9 +124,12 @@ class StaticGenerator:
         stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=device)
         rows = torch.arange(b, device=device)  # the batch's rows, in its order
         step_t = torch.zeros((), dtype=torch.long, device=device)
+        uniform_BW = None  # the rows' sampling numbers of the next steps
         for step in range(new):
-            uniform = None if seeds_B is None else row_uniform(seeds_B.index_select(0, rows),
-                                                               step_t)
+            if seeds_B is not None and step % UNIFORM_STEPS == 0:  # (a hash is ~120 kernels)
+                steps_W = step_t + torch.arange(min(UNIFORM_STEPS, new - step), device=device)
+                uniform_BW = row_uniform(seeds_B.index_select(0, rows), steps_W)
+            uniform = None if uniform_BW is None else uniform_BW[:, step % UNIFORM_STEPS]
             token, logp = sample_next(logits, params, uniform_B=uniform)
             live = ~finished_B.index_select(0, rows)
             token = torch.where(live, token, self.pad_id)
@@ -148,6 +152,7 @@ class StaticGenerator:
                     keep = torch.argsort(finished_B.index_select(0, rows).to(torch.uint8),
                                          stable=True)[:bucket]
                     rows, token, pos_B = rows[keep], token[keep], pos_B[keep]
+                    uniform_BW = None if uniform_BW is None else uniform_BW[keep]
                     cache = {k: ([c.index_select(0, keep) for c in v] if isinstance(v, list)
                                  else v.index_select(0, keep)) for k, v in cache.items()}
             logits, step_routes = self._step(model, cache, token, pos_B, cos, sin)

@@ -113,7 +113,8 @@ class _Layer:
 
 class StaticModel:
     """The parameters ``forward_tokens`` reads, taken from a megatron ``GPTModel`` (views: a
-    weight update in place is seen; the expert stacks are copies, made again by ``refresh``)."""
+    weight update in place is seen; the expert stacks and the routers' fp32 weights are copies,
+    made again by ``refresh``)."""
 
     def __init__(self, gpt):
         c = gpt.config
@@ -152,7 +153,8 @@ class StaticModel:
             attn, mlp = layer.self_attention, layer.mlp
             if isinstance(mlp, MoELayer):
                 fc1s, fc2s = _expert_weights(mlp.experts)
-                router, fused_fc1 = mlp.router.weight, None
+                # (the router computes in fp32: its weight cast once, not in every step)
+                router, fused_fc1 = mlp.router.weight.float(), None
                 fc1 = torch.stack([w.t() for w in fc1s])  # [E, H, 2F], one copy
                 fc2 = torch.stack([w.t() for w in fc2s])  # [E, F, H]
             else:
@@ -230,7 +232,8 @@ def forward_tokens(model: StaticModel, cache: dict, tokens_BT: torch.Tensor,
     n, g, d = model.heads, model.groups, model.head_dim
     r = n // g
     x = model.embedding[tokens_BT]  # [B, T, H]
-    cos, sin = cos_SD[positions_BT][:, :, None], sin_SD[positions_BT][:, :, None]  # [B, T, 1, D]
+    cos = cos_SD[positions_BT][:, :, None, None]  # [B, T, 1, 1, D]
+    sin = sin_SD[positions_BT][:, :, None, None]
     rows_BT = torch.arange(b, device=tokens_BT.device)[:, None].expand(b, t)
     cache["valid"].index_put_((rows_BT, positions_BT),
                               torch.ones((), dtype=torch.bool, device=x.device))
@@ -242,15 +245,14 @@ def forward_tokens(model: StaticModel, cache: dict, tokens_BT: torch.Tensor,
     where = _cache_index(rows_BT, positions_BT, g)
     routes = []
     for i, lay in enumerate(model.layers):
-        qkv = F.linear(_norm(x, lay.norm1, model.eps), lay.qkv).view(b, t, g, (r + 2) * d)
-        q = qkv[..., :r * d].reshape(b, t, n, d)
-        k, v = qkv[..., r * d:(r + 1) * d], qkv[..., (r + 1) * d:]
-        q = rotate(_norm(q, lay.q_norm, model.eps), cos, sin)
-        k = rotate(_norm(k, lay.k_norm, model.eps), cos, sin)
+        qkv = F.linear(_norm(x, lay.norm1, model.eps), lay.qkv).view(b, t, g, r + 2, d)
+        # q's and k's norms, then one rotation of both (elementwise: the same values)
+        qk = rotate(torch.cat((_norm(qkv[..., :r, :], lay.q_norm, model.eps),
+                               _norm(qkv[..., r:r + 1, :], lay.k_norm, model.eps)), 3), cos, sin)
         keys, values = cache["keys"][i], cache["values"][i]
-        keys.index_put_(where, k)
-        values.index_put_(where, v)
-        q = q.view(b, t, g, r, d).permute(0, 2, 3, 1, 4).reshape(b, g, r * t, d)
+        keys.index_put_(where, qk[..., r, :])
+        values.index_put_(where, qkv[..., r + 1, :])
+        q = qk[..., :r, :].permute(0, 2, 3, 1, 4).reshape(b, g, r * t, d)
         att = (torch.matmul(q, keys.transpose(-1, -2)) * model.scale).view(b, g, r, t, s) + bias
         o = torch.matmul(torch.softmax(att, -1).view(b, g, r * t, s), values)
         o = o.view(b, g, r, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, n * d)

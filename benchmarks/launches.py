@@ -15,7 +15,8 @@ version; a GPU run may pick others.)
 
 Per decoding step: two generations of the same prompts, of ``--short`` and ``--long`` new tokens,
 their difference divided by the steps between them (the prefill and the fixed costs cancel; our
-static decoder's reads every 8 steps are shared out). Per update micro-batch: the forward and the
+static decoder's reads every 8 steps are shared out), and apart the part of our step that
+``rollout.cuda_graphs`` captures (``forward_tokens``). Per update micro-batch: the forward and the
 backward of a log-likelihood loss on ``--update-tokens`` tokens (the optimizer's step, which
 differs between CPU and GPU builds, is left out).
 """
@@ -49,6 +50,8 @@ from megatron_gspo.models.hf_mapping import export_hf, load_hf_weights  # noqa: 
 from megatron_gspo.models.model import build_model  # noqa: E402
 from megatron_gspo.rollout.local_engine import LocalEngine  # noqa: E402
 from megatron_gspo.rollout.static_decode import StaticGenerator  # noqa: E402
+from megatron_gspo.rollout.static_model import (StaticModel, forward_tokens,  # noqa: E402
+                                                 new_cache, rope_tables)
 from megatron_gspo.rollout.types import SamplingParams  # noqa: E402
 from scripts.gpu_check import MODEL_1B  # noqa: E402
 
@@ -143,6 +146,9 @@ def decoding(m, ctx, gpt, hf, args) -> dict:
         out[name] = per_step(lambda k, e=engine: e.generate(
             prompts.tolist(), 1, SamplingParams(max_new_tokens=k, temperature=1.0, seed=1)),
             args.short, args.long)
+    static = out.pop("ours (static decoder)")
+    out = {"ours (static decoder)": static,
+           "  of which its captured step": captured_step(gpt, prompts.shape[1], args), **out}
     for name, extra in (("transformers (dynamic cache)", {}),
                         ("transformers (static cache)", {"cache_implementation": "static"})):
         def generate(k, extra=extra):
@@ -151,6 +157,20 @@ def decoding(m, ctx, gpt, hf, args) -> dict:
                             pad_token_id=0, **extra)
         out[name] = per_step(generate, args.short, args.long)
     return out
+
+
+def captured_step(gpt, position: int, args) -> dict:
+    """The part of the static decoder's step that ``rollout.cuda_graphs`` captures and replays
+    (``forward_tokens`` for the batch at one position); the rest of the step (sampling, the
+    rows' buffers) is launched from the host in every step."""
+    model = StaticModel(gpt)
+    cache = new_cache(model, args.batch, position + args.long, "cpu", torch.bfloat16)
+    cos, sin = rope_tables(gpt, position + args.long, torch.bfloat16)
+    tokens = torch.randint(3, model.embedding.shape[0], (args.batch, 1),
+                           generator=torch.Generator().manual_seed(2))
+    positions = torch.full((args.batch, 1), position)
+    with torch.no_grad():
+        return counted(lambda: forward_tokens(model, cache, tokens, positions, cos, sin))
 
 
 def update(m, ctx, gpt, hf, args) -> dict:

@@ -148,6 +148,23 @@ def test_an_moe_layer_with_local_experts_never_waits_for_the_host(tiny):
     assert all(torch.equal(a, b) for a, b in zip(runs["sort"][4], runs["megatron"][4]))
 
 
+def test_the_grouping_with_offsets_is_the_grouping_with_counts():
+    """The decoding step's grouping (the groups' ends from a search of the sorted ids) equals the
+    dispatcher's (the counts, whose cumulative sum grouped_mm takes), empty experts included,
+    without reading the host."""
+    from megatron_gspo.models.dispatch import group_by_expert, group_by_expert_offsets
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(14, generator=g)[:4] + 1 for _ in range(50)])  # 0, 15 empty
+    order, rows, counts = group_by_expert(ids, 16)
+    with count_host_syncs() as syncs:
+        order2, rows2, offsets = group_by_expert_offsets(ids, torch.arange(16))
+    assert syncs.total == 0
+    assert torch.equal(order2, order) and torch.equal(rows2, rows)
+    assert offsets.dtype == torch.int32 and torch.equal(offsets, counts.cumsum(0).int())
+    assert counts[0] == 0 and counts[15] == 0 and counts.sum() == 200
+
+
 def _reference_logits(gpt, tokens):
     with torch.no_grad():
         return gpt(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), attention_mask=None)

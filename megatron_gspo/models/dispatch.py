@@ -49,6 +49,18 @@ def group_by_expert(ids_NK: torch.Tensor, num_experts: int) -> tuple:
     return order, rows, counts_E
 
 
+def group_by_expert_offsets(ids_NK: torch.Tensor, experts_E: torch.Tensor) -> tuple:
+    """``group_by_expert`` with each expert's end among the sorted pairs (``grouped_mm``'s
+    offsets, int32) in place of the counts: one ``searchsorted`` of the sorted ids (the sort
+    gives them with the order) for a count and its cumulative sum. ``experts_E``: ``arange(E)``
+    on the ids' device."""
+    flat = ids_NK.reshape(-1)  # token-major
+    sorted_ids, order = torch.sort(flat, stable=True)
+    rows = torch.div(order, ids_NK.shape[1], rounding_mode="floor")
+    offsets_E = torch.searchsorted(sorted_ids, experts_E, right=True, out_int32=True)
+    return order, rows, offsets_E
+
+
 class SortTokenDispatcher(MoETokenDispatcher):
     """Tokens grouped by expert by a sort of their expert ids, on the device."""
 

@@ -117,15 +117,19 @@ class GroupedSequentialMLP(SequentialMLP):
                    config=self.config), None
 
 
-def grouped_experts(x_TH, probs_T, counts_E, w1_EHF, w2_EFH, *, group_rows: int, config):
+def grouped_experts(x_TH, probs_T, counts_E, w1_EHF, w2_EFH, *, group_rows: int, config,
+                    offsets_E=None):
     """Rows grouped by expert (``counts``) through each expert's MLP as two grouped matmuls, the
     gated activation and the routing probabilities as in Megatron's unfused MLP path (``mlp.py``:
     GLU, then ``per_token_scale``); rows padded per group to ``group_rows`` when it is over 1
-    (``pad_groups``). A pure function of tensors (and the config's activation), so that
+    (``pad_groups``). Unpadded, the groups' ends (``offsets_E``, int32) may be given instead of
+    the counts. A pure function of tensors (and the config's activation), so that
     ``torch.compile`` takes it whole."""
     x, probs, rows_T = x_TH, probs_T, None
     if group_rows > 1:
         x, probs, offsets, rows_T = pad_groups(x, probs, counts_E, group_rows)
+    elif offsets_E is not None:
+        offsets = offsets_E
     else:
         offsets = counts_E.cumsum(0).to(torch.int32)
     h = grouped_linear(x, w1_EHF, offsets)

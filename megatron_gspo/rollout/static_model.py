@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from megatron_gspo.models.dispatch import group_by_expert, route_top_k
+from megatron_gspo.models.dispatch import group_by_expert_offsets, route_top_k
 from megatron_gspo.models.grouped_experts import GroupedSequentialMLP, grouped_experts
 from megatron_gspo.models.rope import cos_sin, rotate
 
@@ -168,6 +168,8 @@ class StaticModel:
                 norm2=_norm_weight(layer.pre_mlp_layernorm, fused_fc1),
                 router=router, fc1=fc1, fc2=fc2))
         self.moe_layers = sum(lay.router is not None for lay in self.layers)
+        experts = next((lay.fc1.shape[0] for lay in self.layers if lay.router is not None), 0)
+        self.experts_E = torch.arange(experts, device=self.embedding.device)
 
 
 def new_cache(model: StaticModel, rows: int, positions: int, device, dtype) -> dict:
@@ -190,9 +192,10 @@ def _experts(model: StaticModel, lay: _Layer, x_NH: torch.Tensor, routes: list) 
     if not model.grouped(x_NH, lay.fc1):
         return _every_expert(lay, x_NH, probs_NK, ids_NK)
     n = ids_NK.shape[0]
-    order, rows, counts_E = group_by_expert(ids_NK, lay.fc1.shape[0])
+    order, rows, offsets_E = group_by_expert_offsets(ids_NK, model.experts_E)
     x, probs = x_NH.index_select(0, rows), probs_NK.reshape(-1).index_select(0, order)
-    y = grouped_experts(x, probs, counts_E, lay.fc1, lay.fc2, group_rows=1, config=model.config)
+    y = grouped_experts(x, probs, None, lay.fc1, lay.fc2, group_rows=1, config=model.config,
+                        offsets_E=offsets_E)
     # back to token-major (each pair once: no atomics) and each token's k outputs summed
     y = torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1)
     return y.sum(1)

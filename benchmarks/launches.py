@@ -4,7 +4,7 @@ decoding step of a batch and per update micro-batch, ours against transformers'
 
     python benchmarks/launches.py [--batch 32] [--prompt-tokens 64] [--update-tokens 2048]
 
-The model is the 1B MoE's structure (``scripts/gpu_check.py``: 16 layers, a dense first one,
+The model is the 1B MoE's structure (``scripts/gpu_check.py``: 16 MoE layers,
 16 experts, top-4, GQA) with its widths scaled down, in bf16; ours is built from the GPU backend's
 layers (SDPA attention, the sort dispatcher, the grouped experts), as a GPU runs them. The counts
 do not depend on the widths: on a GPU each operator that is not a view is one kernel launch or

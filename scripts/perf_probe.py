@@ -31,8 +31,11 @@ the 1B MoE (0.31B active; ``scripts/gpu_check.py``'s shape), seeded weights:
   backward and Adam) and of a prefill with 5 decoding steps;
 - ``memory``: peak memory.
 
-The last line: ``ours vs HF: rollout X.XXx, update X.XXx``. ``--device cpu --model tiny`` runs
-every section but CUDA graphs on CPU (the tests do).
+A path that fails (a CUDA graph's capture, a compilation, memory but where the update halves its
+rows) is listed in its section's ``failed`` (``{path: "Error: first line"}``) and the other paths
+are measured. The last line: ``ours vs HF: rollout X.XXx, update X.XXx`` (the best of ours; "n/a"
+where a side has no figure). ``--device cpu --model tiny`` runs every section but CUDA graphs on
+CPU (the tests do).
 """
 
 from __future__ import annotations
@@ -70,6 +73,29 @@ def note(what: str) -> None:
     """One progress line on stderr as each measurement ends (a run stopped by a time limit
     still shows what it measured)."""
     print(f"perf_probe [{time.perf_counter() - START:.0f} s]: {what}", file=sys.stderr, flush=True)
+
+
+def failure(e: BaseException) -> str:
+    """An exception in one line: its type and its message's first line."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first}"[:300]
+
+
+def attempt(name: str, fn, failed: dict, keep=()):
+    """``fn()``; where it raises (but for ``keep``), None, with the failure in ``failed[name]``
+    and on the progress lines: one path failing on a GPU (a capture, a compilation, memory)
+    leaves the other paths' figures."""
+    try:
+        return fn()
+    except keep:
+        raise
+    except Exception as e:  # (recorded, not hidden)
+        failed[name] = failure(e)
+        note(f"{name} failed: {failed[name]}")
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return None
 
 
 def sync(device) -> None:
@@ -116,7 +142,7 @@ def hf_model(gpt, m, ctx, dtype):
     return AutoModelForCausalLM.from_pretrained(out, dtype=dtype).to(ctx.device).eval()
 
 
-def rollout_rates(gpt, hf, ctx, args, prompts) -> dict:
+def rollout_rates(gpt, hf, ctx, args, prompts, failed: dict) -> dict:
     from megatron_gspo.rollout.local_engine import LocalEngine
     from megatron_gspo.rollout.static_decode import StaticGenerator
     from megatron_gspo.rollout.types import SamplingParams
@@ -139,10 +165,15 @@ def rollout_rates(gpt, hf, ctx, args, prompts) -> dict:
     short = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
 
     def measure(name, engine):  # (CUDA graphs are captured within each call)
-        # warm-up; a compiled step's on the timed shapes (it compiles for its cache's length)
-        engine.generate(prompts, 1, params if "compiled" in name else short)
-        out[name] = tokens / timed(lambda: engine.generate(prompts, 1, params), ctx.device)
-        note(f"rollout {name}: {out[name]:.0f} tokens/s")
+        def run():
+            # warm-up; a compiled step's on the timed shapes (it compiles for its cache's length)
+            engine.generate(prompts, 1, params if "compiled" in name else short)
+            return tokens / timed(lambda: engine.generate(prompts, 1, params), ctx.device)
+
+        rate = attempt(f"rollout {name}", run, failed)
+        if rate is not None:
+            out[name] = rate
+            note(f"rollout {name}: {rate:.0f} tokens/s")
 
     for name, engine in engines.items():
         measure(name, engine)
@@ -151,11 +182,16 @@ def rollout_rates(gpt, hf, ctx, args, prompts) -> dict:
                                                    {"cache_implementation": "static"})):
         kw = dict(do_sample=True, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                   pad_token_id=0, **extra)
-        with torch.no_grad():
+        @torch.no_grad()
+        def run(kw=kw, extra=extra):
             # the static cache compiles its forward for the cache's shape: warm up on that shape
             hf.generate(ids, **(kw if extra else dict(kw, max_new_tokens=4, min_new_tokens=4)))
-            out[name] = tokens / timed(lambda: hf.generate(ids, **kw), ctx.device)
-        note(f"rollout {name}: {out[name]:.0f} tokens/s")
+            return tokens / timed(lambda: hf.generate(ids, **kw), ctx.device)
+
+        rate = attempt(f"rollout {name}", run, failed)
+        if rate is not None:
+            out[name] = rate
+            note(f"rollout {name}: {rate:.0f} tokens/s")
     measure("ours_as_is", LocalEngine(gpt, ctx, pad_id=0))
     return {f"{k}_tokens_per_s": v for k, v in out.items()}
 
@@ -196,7 +232,7 @@ def eager_experts(gpt) -> None:
             layer.compiled = None
 
 
-def update_rates(gpt, hf, m, ctx, args) -> tuple:
+def update_rates(gpt, hf, m, ctx, args, failed: dict) -> tuple:
     from megatron_gspo.algorithms.logprobs import token_logprobs
     from megatron_gspo.models.grouped_experts import compile_grouped_experts
     from megatron_gspo.trainer.optim import OptimConfig, wrap_and_build_optimizer
@@ -243,8 +279,15 @@ def update_rates(gpt, hf, m, ctx, args) -> tuple:
             if name == "ours_compiled" and not compile_grouped_experts(gpt):
                 raise SystemExit("perf_probe: --compile-experts: no layer runs the grouped "
                                  "experts")
-            fn()  # (warm-up; the compilation where compiled)
-            seconds = timed(fn, ctx.device, repeats=3)
+
+            def run(fn=fn):
+                fn()  # (warm-up; the compilation where compiled)
+                return timed(fn, ctx.device, repeats=3)
+
+            seconds = attempt(f"update {name}", run, failed, keep=(torch.OutOfMemoryError,))
+            if seconds is None:
+                continue
+            failed.pop(f"update {name}", None)  # (a smaller try's success replaces a failure)
             out[f"{name}_s"] = seconds
             out[f"{name}_tflops"] = flops / seconds / 1e12
             out[f"{name}_mfu"] = out[f"{name}_tflops"] / PEAK_TFLOPS
@@ -335,19 +378,41 @@ def main() -> None:
     emit("parity", max_abs_logit_diff=float((ours.float() - theirs.float()).abs().max()))
     prompts = torch.randint(3, m.vocab_size, (args.batch, args.prompt_tokens),
                             generator=g).tolist()
-    # (the update first: see the docstring)
-    update, micro_batch = update_rates(gpt, hf, m, ctx, args)
-    emit("update", **update)
-    rollout = rollout_rates(gpt, hf, ctx, args, prompts)
-    emit("rollout", batch=args.batch, new_tokens=args.new_tokens, **rollout)
-    emit("profile", **profile_counts(gpt, ctx, prompts[:min(8, len(prompts))], micro_batch))
+    # (the update first: see the docstring). A path that fails is listed in its section's
+    # "failed" ({path: "Error: message"}) and the others are measured.
+    failed = {}
+    update, micro_batch = update_rates(gpt, hf, m, ctx, args, failed)
+    emit("update", **update, **section_failures(failed, "update"))
+    rollout = rollout_rates(gpt, hf, ctx, args, prompts, failed)
+    emit("rollout", batch=args.batch, new_tokens=args.new_tokens, **rollout,
+         **section_failures(failed, "rollout"))
+    profile = attempt("profile", lambda: profile_counts(
+        gpt, ctx, prompts[:min(8, len(prompts))], micro_batch), failed)
+    emit("profile", **(profile or {}), **section_failures(failed, "profile"))
     emit("memory", peak_gib=(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
                              else None))
-    best_ours = max(v for k, v in rollout.items() if k.startswith("ours"))
-    best_hf = max(v for k, v in rollout.items() if k.startswith("hf"))
-    ours_s = min(v for k, v in update.items() if k.startswith("ours") and k.endswith("_s"))
-    print(f"ours vs HF: rollout {best_ours / best_hf:.2f}x, update "
-          f"{update['hf_s'] / ours_s:.2f}x")
+    rollout_x = times(best(rollout, "ours", "_tokens_per_s", max),
+                      best(rollout, "hf", "_tokens_per_s", max))
+    update_x = times(best(update, "hf", "_s", min), best(update, "ours", "_s", min))
+    print(f"ours vs HF: rollout {rollout_x}, update {update_x}")
+
+
+def section_failures(failed: dict, section: str) -> dict:
+    """``{"failed": {path: failure}}`` of one section's paths (none: nothing)."""
+    mine = {k.split(" ", 1)[-1]: v for k, v in failed.items()
+            if k == section or k.startswith(section + " ")}
+    return {"failed": mine} if mine else {}
+
+
+def best(figures: dict, prefix: str, suffix: str, pick):
+    """The best (``pick``: max or min) of the figures named ``prefix...suffix`` (None: none)."""
+    values = [v for k, v in figures.items() if k.startswith(prefix) and k.endswith(suffix)]
+    return pick(values) if values else None
+
+
+def times(a, b) -> str:
+    """``a / b`` as "X.XXx" ("n/a" where a side was not measured)."""
+    return f"{a / b:.2f}x" if a is not None and b is not None else "n/a"
 
 
 if __name__ == "__main__":

@@ -171,6 +171,77 @@ def test_the_perf_probe_runs_every_section_on_cpu():
     assert out.stdout.strip().splitlines()[-1].startswith("ours vs HF: rollout ")
 
 
+PLANTED_PROBE = """
+import sys
+from megatron_gspo.rollout import static_decode
+
+def planted(self, *args, **kwargs):
+    raise RuntimeError("planted: the capture failed\\nsecond line")
+
+static_decode.StaticGenerator.generate = planted  # every static decoder, the profile's too
+sys.argv = ["perf_probe.py"] + sys.argv[1:]
+from scripts import perf_probe
+perf_probe.main()
+"""
+
+
+def test_a_path_that_fails_in_the_perf_probe_leaves_the_others_figures():
+    """On a GPU a path may fail where the CPU never goes (a CUDA graph's capture, a compilation):
+    with every static decoder failing (planted), the probe lists the failure in one line under
+    the sections that ran it, measures the other engines, and still prints its summary."""
+    import json
+
+    out = subprocess.run([sys.executable, "-c", PLANTED_PROBE, "--device", "cpu", "--model",
+                          "tiny", "--batch", "2", "--new-tokens", "3", "--prompt-tokens", "4",
+                          "--update-batch", "1", "--update-seq", "8"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = {x["section"]: x for x in map(json.loads, (
+        x for x in out.stdout.splitlines() if x.startswith("{")))}
+    planted = "RuntimeError: planted: the capture failed"
+    rollout = lines["rollout"]
+    assert rollout["failed"] == {"ours_static": planted}
+    assert {"ours_as_is_tokens_per_s", "hf_dynamic_cache_tokens_per_s",
+            "hf_static_cache_tokens_per_s"} <= set(rollout)
+    assert "ours_static_tokens_per_s" not in rollout
+    assert lines["profile"]["failed"] == {"profile": planted}
+    assert "failed" not in lines["update"] and lines["update"]["ours_s"] > 0
+    assert "rollout ours_static failed: " + planted in out.stderr
+    assert out.stdout.strip().splitlines()[-1].startswith("ours vs HF: rollout ")
+
+
+def test_the_perf_probes_attempt_records_a_failure_and_lets_memory_through():
+    """``attempt``: the value, or None with the failure's first line recorded; the kinds it is
+    told to keep (the update's out-of-memory, which halves the rows) and interrupts go through."""
+    from scripts import perf_probe
+
+    failed = {}
+    assert perf_probe.attempt("rollout a", lambda: 3.0, failed) == 3.0 and failed == {}
+    def two_lines():
+        raise ValueError("the first line\nthe second")
+
+    assert perf_probe.attempt("rollout b", two_lines, failed) is None
+    assert failed == {"rollout b": "ValueError: the first line"}
+    assert perf_probe.section_failures(failed, "rollout") == {"failed": {"b": failed["rollout b"]}}
+    assert perf_probe.section_failures(failed, "update") == {}
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        perf_probe.attempt("update ours", out_of_memory, failed, keep=(torch.OutOfMemoryError,))
+    assert perf_probe.attempt("update hf", out_of_memory, failed) is None
+    assert failed["update hf"] == "OutOfMemoryError: CUDA out of memory"
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        perf_probe.attempt("profile", interrupted, failed)
+    assert perf_probe.times(6.0, 4.0) == "1.50x" and perf_probe.times(None, 4.0) == "n/a"
+
+
 def test_the_perf_probes_update_is_a_gpu_micro_batch_or_the_largest_that_fits():
     """By default the probe's update is one micro-batch of ``trainer=gpu`` (what the trainer feeds
     a GPU at a time); where the device's memory runs out (CUDA raises ``torch.OutOfMemoryError``)

@@ -33,8 +33,8 @@ the 1B MoE (0.31B active; ``scripts/gpu_check.py``'s shape), seeded weights:
 
 A path that fails (a CUDA graph's capture, a compilation, memory but where the update halves its
 rows) is listed in its section's ``failed`` (``{path: "Error: first line"}``) and the other paths
-are measured. The last line: ``ours vs HF: rollout X.XXx, update X.XXx`` (the best of ours; "n/a"
-where a side has no figure). ``--device cpu --model tiny`` runs every section but CUDA graphs on
+are measured; the probe then exits with status 1. The last line: ``ours vs HF: rollout X.XXx,
+update X.XXx`` (the best of ours; "n/a" where a side has no figure). ``--device cpu --model tiny`` runs every section but CUDA graphs on
 CPU (the tests do).
 """
 
@@ -394,7 +394,9 @@ def main() -> None:
     rollout_x = times(best(rollout, "ours", "_tokens_per_s", max),
                       best(rollout, "hf", "_tokens_per_s", max))
     update_x = times(best(update, "hf", "_s", min), best(update, "ours", "_s", min))
-    print(f"ours vs HF: rollout {rollout_x}, update {update_x}")
+    print(f"ours vs HF: rollout {rollout_x}, update {update_x}", flush=True)
+    if failed:  # (every figure printed; the exit status says that some are missing)
+        sys.exit(f"perf_probe: {len(failed)} failed: {', '.join(failed)}")
 
 
 def section_failures(failed: dict, section: str) -> dict:

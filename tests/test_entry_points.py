@@ -188,7 +188,8 @@ perf_probe.main()
 def test_a_path_that_fails_in_the_perf_probe_leaves_the_others_figures():
     """On a GPU a path may fail where the CPU never goes (a CUDA graph's capture, a compilation):
     with every static decoder failing (planted), the probe lists the failure in one line under
-    the sections that ran it, measures the other engines, and still prints its summary."""
+    the sections that ran it, measures the other engines, prints its summary, and exits with
+    status 1 (a step of ``device_check.sh`` that failed)."""
     import json
 
     out = subprocess.run([sys.executable, "-c", PLANTED_PROBE, "--device", "cpu", "--model",
@@ -196,7 +197,9 @@ def test_a_path_that_fails_in_the_perf_probe_leaves_the_others_figures():
                           "--update-batch", "1", "--update-seq", "8"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == \
+        "perf_probe: 2 failed: rollout ours_static, profile"
     lines = {x["section"]: x for x in map(json.loads, (
         x for x in out.stdout.splitlines() if x.startswith("{")))}
     planted = "RuntimeError: planted: the capture failed"

@@ -427,3 +427,24 @@ def test_seeded_rows_sample_what_the_engines_own_decoding_samples(tiny, readback
     assert buckets[0] == 12 and {2, 4} <= set(buckets)  # moved into smaller buckets twice
     assert len({len(s.response_ids) for s in got}) > 5  # rows stopped at different steps
     assert [s.response_ids for s in got] == [s.response_ids for s in expected]
+
+
+def test_a_failed_capture_names_the_setting_to_change(tiny, monkeypatch):
+    """Where the decoding step cannot be captured as a CUDA graph on a GPU (planted here), the
+    generation stops with one line naming ``rollout.cuda_graphs`` and the way out."""
+    import megatron_gspo.rollout.static_decode as sd
+    from megatron_gspo.config import ConfigError
+    from megatron_gspo.rollout.types import SamplingParams
+
+    def planted(*args):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(sd, "_capture", planted)
+    gen = sd.StaticGenerator(tiny[2], pad_id=0, cuda_graphs=True)
+    with pytest.raises(ConfigError) as e:
+        gen.generate([[1, 5, 9]], 2, SamplingParams(max_new_tokens=4, seed=1))
+    assert str(e.value) == (
+        "rollout.cuda_graphs=True: capturing the decoding step as a CUDA graph failed (CUDA "
+        "error: operation not permitted when stream is capturing); fix: set "
+        "rollout.cuda_graphs=false")
+    assert gen.graphs == {}

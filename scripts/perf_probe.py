@@ -34,8 +34,8 @@ the 1B MoE (0.31B active; ``scripts/gpu_check.py``'s shape), seeded weights:
 A path that fails (a CUDA graph's capture, a compilation, memory but where the update halves its
 rows) is listed in its section's ``failed`` (``{path: "Error: first line"}``) and the other paths
 are measured; the probe then exits with status 1. The last line: ``ours vs HF: rollout X.XXx,
-update X.XXx`` (the best of ours; "n/a" where a side has no figure). ``--device cpu --model tiny`` runs every section but CUDA graphs on
-CPU (the tests do).
+update X.XXx`` (the best of ours; "n/a" where a side has no figure). ``--device cpu --model
+tiny`` runs every section but CUDA graphs on CPU (the tests do).
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ parameters) as a fixed sequence of tensor operations on fixed shapes:
   ``offset`` kept on the host), read whole with a mask of the positions each row may see;
 - attention is two batched matmuls over all ``S`` cached positions with that mask;
 - a token's routed experts are the top-k of the router's fp32 logits (megatron's rule); the
-  (token, expert) pairs are grouped by a stable sort with the counts kept on the device and run
-  through the training layer's ``grouped_experts`` (two ``grouped_mm`` over the experts' stacked
-  weights, groups unpadded), or, in a dtype ``grouped_mm`` does
-  not take, every expert for chunks of tokens weighted by the routing (memory bounded by the
-  chunk);
+  (token, expert) pairs are grouped by a stable sort, the groups' ends found on the device by a
+  search of the sorted ids, and run through the training layer's ``grouped_experts`` (two
+  ``grouped_mm`` over the experts' stacked weights, groups unpadded), or, in a dtype
+  ``grouped_mm`` does not take, every expert for chunks of tokens weighted by the routing
+  (memory bounded by the chunk);
 - nothing reads a value on the host (``megatron_gspo.debug.count_host_syncs`` counts 0), so a
   step can be captured as a CUDA graph and compiles as one graph (``torch.compile(fullgraph=
   True)``).

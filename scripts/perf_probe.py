@@ -57,6 +57,7 @@ import torch  # noqa: E402
 
 from gpu_check import MODEL_1B, param_counts  # noqa: E402
 from megatron_gspo.config import ModelConfig, ParallelConfig  # noqa: E402
+from megatron_gspo.config.errors import first_line  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # H100 / H200 SXM, dense bf16
 GPU_TRAINER = os.path.join(ROOT, "conf", "trainer", "gpu.yaml")  # trainer=gpu
@@ -77,8 +78,7 @@ def note(what: str) -> None:
 
 def failure(e: BaseException) -> str:
     """An exception in one line: its type and its message's first line."""
-    first = (str(e).strip().splitlines() or [""])[0]
-    return f"{type(e).__name__}: {first}"[:300]
+    return f"{type(e).__name__}: {first_line(e, default='')}"[:300]
 
 
 def attempt(name: str, fn, failed: dict, keep=()):

@@ -7,6 +7,8 @@ import os
 import string
 from typing import Optional, Protocol, Sequence
 
+from megatron_gspo.config.errors import first_line
+
 
 class Tokenizer(Protocol):
     vocab_size: int
@@ -73,8 +75,8 @@ class HFTokenizer:
         try:
             self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, KeyError) as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise TokenizerError(f"cannot load a tokenizer from {path!r}: {first}") from None
+            raise TokenizerError(f"cannot load a tokenizer from {path!r}: {first_line(e)}"
+                                 ) from None
         self.vocab_size = len(self.tok)
         self.eos_id = self.tok.eos_token_id
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id

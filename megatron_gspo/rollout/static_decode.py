@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from megatron_gspo.config.errors import invalid
+from megatron_gspo.config.errors import first_line, invalid
 from megatron_gspo.rollout.sampling import row_uniform, sample_next
 from megatron_gspo.rollout.static_model import (StaticModel, forward_tokens, new_cache,
                                                  rope_tables, unsupported)
@@ -175,9 +175,8 @@ class StaticGenerator:
                 self.graphs[key] = self._call(
                     lambda fn: _capture(fn, model, cache, token_B, pos_B, cos, sin))
             except RuntimeError as e:  # (CUDA's and torch.compile's errors)
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 raise invalid("rollout.cuda_graphs", True, "capturing the decoding step as a "
-                              f"CUDA graph failed ({first})",
+                              f"CUDA graph failed ({first_line(e)})",
                               "set rollout.cuda_graphs=false") from e
         graph, static_token, static_pos, out = self.graphs[key]
         static_token.copy_(token_B)

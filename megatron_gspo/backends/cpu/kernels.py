@@ -26,6 +26,8 @@ import shutil
 import sys
 from typing import Optional
 
+from megatron_gspo.config.errors import first_line
+
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +89,8 @@ def build(name: str, source: str, directory: Optional[str] = None):
                 extra_cflags=["-O2", "-fopenmp"], extra_ldflags=["-fopenmp"],
                 build_directory=directory, verbose=False)
     except Exception as exc:  # noqa: BLE001 (any build or load failure means: use the fallback)
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         log.warning("CPU kernel %s (megatron_gspo/csrc/%s) not built, using the PyTorch path "
-                    "instead: %s", name, source, first[:300])
+                    "instead: %s", name, source, first_line(exc)[:300])
         return None
 
 

@@ -41,9 +41,7 @@ def group_by_expert(ids_NK: torch.Tensor, num_experts: int) -> tuple:
     """The (token, expert) pairs grouped expert by expert, tokens in order within each (megatron's
     permutation), without reading the host: ``order`` (pair ids, token-major, sorted), ``rows``
     (each sorted pair's token) and the tokens per expert ``[E]`` on the device."""
-    flat = ids_NK.reshape(-1)  # token-major
-    order = torch.argsort(flat, stable=True)
-    rows = torch.div(order, ids_NK.shape[1], rounding_mode="floor")
+    flat, _, order, rows = _sorted_pairs(ids_NK)
     counts_E = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat))
     return order, rows, counts_E
@@ -54,11 +52,17 @@ def group_by_expert_offsets(ids_NK: torch.Tensor, experts_E: torch.Tensor) -> tu
     offsets, int32) in place of the counts: one ``searchsorted`` of the sorted ids (the sort
     gives them with the order) for a count and its cumulative sum. ``experts_E``: ``arange(E)``
     on the ids' device."""
-    flat = ids_NK.reshape(-1)  # token-major
-    sorted_ids, order = torch.sort(flat, stable=True)
-    rows = torch.div(order, ids_NK.shape[1], rounding_mode="floor")
+    _, sorted_ids, order, rows = _sorted_pairs(ids_NK)
     offsets_E = torch.searchsorted(sorted_ids, experts_E, right=True, out_int32=True)
     return order, rows, offsets_E
+
+
+def _sorted_pairs(ids_NK: torch.Tensor) -> tuple:
+    """The (token, expert) pairs' expert ids token-major, the same sorted (stable), the sort's
+    order and each sorted pair's token."""
+    flat = ids_NK.reshape(-1)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    return flat, sorted_ids, order, torch.div(order, ids_NK.shape[1], rounding_mode="floor")
 
 
 class SortTokenDispatcher(MoETokenDispatcher):

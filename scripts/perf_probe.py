@@ -92,10 +92,15 @@ def attempt(name: str, fn, failed: dict, keep=()):
     except Exception as e:  # (recorded, not hidden)
         failed[name] = failure(e)
         note(f"{name} failed: {failed[name]}")
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_memory()
         return None
+
+
+def release_memory() -> None:
+    """What a failed step left goes back to the device."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def sync(device) -> None:
@@ -164,35 +169,36 @@ def rollout_rates(gpt, hf, ctx, args, prompts, failed: dict) -> dict:
                                                        cuda_graphs=graphs))
     short = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
 
-    def measure(name, engine):  # (CUDA graphs are captured within each call)
-        def run():
-            # warm-up; a compiled step's on the timed shapes (it compiles for its cache's length)
-            engine.generate(prompts, 1, params if "compiled" in name else short)
-            return tokens / timed(lambda: engine.generate(prompts, 1, params), ctx.device)
-
+    def measure(name, run):
         rate = attempt(f"rollout {name}", run, failed)
         if rate is not None:
             out[name] = rate
             note(f"rollout {name}: {rate:.0f} tokens/s")
 
+    def ours(name, engine):  # (CUDA graphs are captured within each call)
+        def run():
+            # warm-up; a compiled step's on the timed shapes (it compiles for its cache's length)
+            engine.generate(prompts, 1, params if "compiled" in name else short)
+            return tokens / timed(lambda: engine.generate(prompts, 1, params), ctx.device)
+
+        measure(name, run)
+
     for name, engine in engines.items():
-        measure(name, engine)
+        ours(name, engine)
     ids = torch.tensor(prompts, device=ctx.device)
     for name, extra in (("hf_dynamic_cache", {}), ("hf_static_cache",
                                                    {"cache_implementation": "static"})):
         kw = dict(do_sample=True, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                   pad_token_id=0, **extra)
+
         @torch.no_grad()
         def run(kw=kw, extra=extra):
             # the static cache compiles its forward for the cache's shape: warm up on that shape
             hf.generate(ids, **(kw if extra else dict(kw, max_new_tokens=4, min_new_tokens=4)))
             return tokens / timed(lambda: hf.generate(ids, **kw), ctx.device)
 
-        rate = attempt(f"rollout {name}", run, failed)
-        if rate is not None:
-            out[name] = rate
-            note(f"rollout {name}: {rate:.0f} tokens/s")
-    measure("ours_as_is", LocalEngine(gpt, ctx, pad_id=0))
+        measure(name, run)
+    ours("ours_as_is", LocalEngine(gpt, ctx, pad_id=0))
     return {f"{k}_tokens_per_s": v for k, v in out.items()}
 
 
@@ -216,9 +222,8 @@ def largest_that_fits(measure, rows: int) -> tuple:
             pass  # (the failed step's tensors go with the exception, before the next try)
         too_many.append(rows)
         note(f"out of memory at {rows} rows; {rows // 2} next")
-        gc.collect()
+        release_memory()
         if torch.cuda.is_available():
-            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()  # (the memory section: the sizes that fit)
         rows //= 2
         if rows == 0:

@@ -10,7 +10,9 @@ such a wait on CUDA, whatever device the tensors are on, so that a CPU test can 
   ``float()``, ``bool()`` of a tensor, a tensor used as an index), ``nonzero``, ``masked_select``,
   ``bincount``, ``unique`` (every form), ``repeat_interleave`` with a tensor of repeats and no
   ``output_size``, indexing or index assignment with a boolean mask (``x[mask]``,
-  ``x[mask] = v``: a ``nonzero`` inside), ``masked_scatter``;
+  ``x[mask] = v``: a ``nonzero`` inside), ``masked_scatter``, ``isin`` where it sorts (test
+  elements not fewer than ``10 * elements ** 0.145``, torch's threshold, and not
+  ``assume_unique``: a ``unique`` inside);
 - at the Python API (``TorchFunctionMode``): ``Tensor.tolist``, ``Tensor.numpy`` and
   ``Tensor.cpu`` (copies to the host), and ``Tensor.to`` / ``copy_`` from a non-CPU device to the
   CPU.
@@ -64,6 +66,18 @@ def _is_bool_index(indices) -> bool:
                for i in (indices or ()) if i is not None)
 
 
+def _isin_sorts(args, kwargs) -> bool:
+    """Whether ``isin`` takes its sorting path, which calls ``unique`` on the elements (torch's
+    heuristic, numpy's: sort when the test elements are not fewer than 10 * n ** 0.145; a
+    scalar of elements is a tensor of one, a scalar to test against a comparison)."""
+    elements, test = (list(args) + [kwargs.get("elements"), kwargs.get("test_elements")])[:2]
+    if not isinstance(test, torch.Tensor):
+        return False
+    n = elements.numel() if isinstance(elements, torch.Tensor) else 1
+    unique = kwargs.get("assume_unique", args[2] if len(args) > 2 else False)
+    return not unique and n > 0 and test.numel() >= int(10.0 * n ** 0.145)
+
+
 class _AtDispatch(TorchDispatchMode):
     def __init__(self, seen: HostSyncs):
         super().__init__()
@@ -79,6 +93,8 @@ class _AtDispatch(TorchDispatchMode):
             self.seen.add("repeat_interleave without output_size")
         elif name in _MASK_INDEXED and len(args) > 1 and _is_bool_index(args[1]):
             self.seen.add(f"{name} with a boolean mask")
+        elif name == "isin" and _isin_sorts(args, kwargs):
+            self.seen.add("isin (sorting: a unique inside)")
         return func(*args, **kwargs)
 
 

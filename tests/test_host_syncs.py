@@ -29,6 +29,7 @@ def test_the_counter_on_planted_cases():
         "repeat_interleave": lambda: torch.repeat_interleave(torch.tensor([1, 2]),
                                                              torch.tensor([2, 1])),
         "a tensor as an index": lambda: x[:torch.tensor(3)],
+        "isin of many test elements": lambda: torch.isin(torch.arange(32), torch.arange(16)),
     }
     for name, fn in syncing.items():
         with count_host_syncs() as syncs:
@@ -46,6 +47,30 @@ def test_the_counter_on_planted_cases():
         with count_host_syncs() as syncs:
             fn()
         assert syncs.total == 0, (name, syncs.by_op)
+
+
+def test_the_counter_sees_the_unique_inside_isin_where_torch_calls_it():
+    """``isin`` sorts, calling ``unique`` (a host read on CUDA), above a threshold of test
+    elements that grows with the elements: the counter counts it exactly where torch's profiler
+    records a ``unique`` inside (on either side of the threshold, for a scalar of elements,
+    and never with ``assume_unique``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cases = [(n, m, unique) for n in (1, 12, 32, 1000) for m in range(1, 32)
+             for unique in (False, True)]
+    seen = {}
+    for n, m, unique in cases:
+        elements = 7 if n == 1 else torch.arange(n)
+        with count_host_syncs() as syncs:
+            torch.isin(elements, torch.arange(m), assume_unique=unique)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            torch.isin(elements, torch.arange(m), assume_unique=unique)
+        inside = any(e.name == "aten::_unique" for e in prof.events())
+        assert syncs.total == inside, (n, m, unique, syncs.by_op)
+        seen[n, m, unique] = inside
+    assert seen[32, 15, False] is False and seen[32, 16, False] is True  # 10 * 32 ** 0.145
+    assert seen[1, 9, False] is False and seen[1, 10, False] is True
+    assert not any(v for (_, _, unique), v in seen.items() if unique)
 
 
 @pytest.mark.parametrize("algo", ["gspo", "gspo_token", "grpo"])
@@ -349,11 +374,12 @@ def test_past_its_compiled_shapes_the_generator_decodes_uncompiled(tiny, monkeyp
         "uncompiled from here") == 1
 
 
-@pytest.mark.parametrize("readback,seed", [(1, 5), (3, 5), (3, None)])
-def test_the_static_generator_equals_the_trainer(tiny, readback, seed):
+@pytest.mark.parametrize("readback,seed,stops", [(1, 5, 3), (3, 5, 3), (3, None, 3), (3, 5, 16)])
+def test_the_static_generator_equals_the_trainer(tiny, readback, seed, stops):
     """Prompts of several lengths, rows stopping at different steps (the batch moves to smaller
     buckets at the readbacks): each response's log-probs equal the trainer's recomputation, its
-    routes the routers' own, and the decoding loop reads the host only at its readbacks."""
+    routes the routers' own, and the decoding loop reads the host only at its readbacks, however
+    many stop ids there are (3 or 16)."""
     from moe.replay import RoutingReplay
 
     from megatron_gspo.rollout.static_decode import StaticGenerator
@@ -361,8 +387,8 @@ def test_the_static_generator_equals_the_trainer(tiny, readback, seed):
 
     _, _, gpt = tiny
     prompts = [[1, 5, 9, 11], [1, 7], [1, 20, 21, 22, 23, 24, 25], [1, 40, 41]]
-    params = SamplingParams(max_new_tokens=14, temperature=1.0, stop_token_ids=(9, 17, 33),
-                            seed=seed)
+    stop_ids = (9, 17, 33) if stops == 3 else tuple(range(3, 128, 8))
+    params = SamplingParams(max_new_tokens=14, temperature=1.0, stop_token_ids=stop_ids, seed=seed)
     gen = StaticGenerator(gpt, pad_id=0, readback_steps=readback)
     loop = gen._decode
     reads = []

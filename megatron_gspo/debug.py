@@ -12,13 +12,15 @@ such a wait on CUDA, whatever device the tensors are on, so that a CPU test can 
   ``output_size``, indexing or index assignment with a boolean mask (``x[mask]``,
   ``x[mask] = v``: a ``nonzero`` inside), ``masked_scatter``, ``isin`` where it sorts (test
   elements not fewer than ``10 * elements ** 0.145``, torch's threshold, and not
-  ``assume_unique``: a ``unique`` inside);
+  ``assume_unique``: a ``unique`` inside), ``equal`` and ``allclose`` (a Python bool of the
+  data), ``histc`` without a range (its CUDA kernel reads the minimum and maximum back);
 - at the Python API (``TorchFunctionMode``): ``Tensor.tolist``, ``Tensor.numpy`` and
   ``Tensor.cpu`` (copies to the host), and ``Tensor.to`` / ``copy_`` from a non-CPU device to the
   CPU.
 
-It sees the operators called, not what an operator's CUDA implementation does inside (an input
-check that reads a value back, for instance): a GPU profile is the final word.
+It sees the operators called; of what an operator does inside it knows only the cases named
+above (``isin``, ``histc``), not, for instance, an input check of some CUDA implementation that
+reads a value back: a GPU profile is the final word.
 
 Usage::
 
@@ -38,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 _DATA_DEPENDENT = {"_local_scalar_dense", "nonzero", "masked_select", "bincount", "_unique",
                    "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive",
-                   "masked_scatter", "masked_scatter_"}
+                   "masked_scatter", "masked_scatter_", "equal", "allclose"}
 _MASK_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index"}
 _HOST_COPIES = {"tolist", "numpy", "cpu"}
 _HOST = torch.device("cpu").type  # host memory: a copy there from a device waits for it
@@ -78,6 +80,13 @@ def _isin_sorts(args, kwargs) -> bool:
     return not unique and n > 0 and test.numel() >= int(10.0 * n ** 0.145)
 
 
+def _histc_range(args, kwargs):
+    """``histc``'s ``(min, max)``: both 0 (torch's default) asks for the data's own."""
+    given = list(args[2:4]) + [None, None]
+    return (kwargs.get("min", 0 if given[0] is None else given[0]),
+            kwargs.get("max", 0 if given[1] is None else given[1]))
+
+
 class _AtDispatch(TorchDispatchMode):
     def __init__(self, seen: HostSyncs):
         super().__init__()
@@ -93,6 +102,8 @@ class _AtDispatch(TorchDispatchMode):
             self.seen.add("repeat_interleave without output_size")
         elif name in _MASK_INDEXED and len(args) > 1 and _is_bool_index(args[1]):
             self.seen.add(f"{name} with a boolean mask")
+        elif name == "histc" and _histc_range(args, kwargs)[0] == _histc_range(args, kwargs)[1]:
+            self.seen.add("histc without a range")
         elif name == "isin" and _isin_sorts(args, kwargs):
             self.seen.add("isin (sorting: a unique inside)")
         return func(*args, **kwargs)

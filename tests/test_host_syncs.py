@@ -30,6 +30,8 @@ def test_the_counter_on_planted_cases():
                                                              torch.tensor([2, 1])),
         "a tensor as an index": lambda: x[:torch.tensor(3)],
         "isin of many test elements": lambda: torch.isin(torch.arange(32), torch.arange(16)),
+        "equal": lambda: torch.equal(x, x), "allclose": lambda: torch.allclose(x, x),
+        "histc of the data's range": lambda: torch.histc(x, bins=4),
     }
     for name, fn in syncing.items():
         with count_host_syncs() as syncs:
@@ -42,6 +44,8 @@ def test_the_counter_on_planted_cases():
         "repeat_interleave with output_size": lambda: torch.repeat_interleave(
             torch.tensor([1, 2]), torch.tensor([2, 1]), output_size=3),
         "to the same device": lambda: x.to(x.device), "isin": lambda: torch.isin(x, x[:2]),
+        "isclose": lambda: torch.isclose(x, x), "histc of a range": lambda: torch.histc(
+            x, bins=4, min=-1, max=1),
     }
     for name, fn in free.items():
         with count_host_syncs() as syncs:

@@ -25,8 +25,8 @@
 #
 # Steps, in this order:
 # - "perf probe": scripts/perf_probe.py, the 1B MoE's update MFU and rollout tokens/s against
-#   transformers on the same weights, the compiled experts too (its progress lines keep what it
-#   measured if the limit stops it);
+#   transformers on the same weights, the compiled experts too (within a budget of 320 s: a path
+#   running then is stopped and the later ones skipped, every section and the summary printed);
 # - "main job": 20 RL steps of the tiny model in bf16, world size 1 under NCCL;
 # - "recipe path": the cluster recipe's trainer path (torchrun, parallel.device=cuda, a HF
 #   checkpoint, full activation recompute, dp_reshardable checkpoints and a resume);
@@ -50,9 +50,13 @@ if [ -d "$wheels" ]; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('GPU:', torch.cuda.get_device_name(), '| torch', torch.__version__)" || exit 1
+python3 -c "import megatron.core, hydra, omegaconf, math_verify, transformers; print('megatron-core', megatron.core.__version__, '| transformers', transformers.__version__)" \
+  || { echo "device check: a package is missing: put the wheels of this script's header in $wheels"; exit 1; }
 
 # Every step runs (a failure does not hide what the later steps would show), each under its own
-# time limit; the script fails at the end if any step did.
+# time limit; the script fails at the end if any step did. A limit kills the step's every
+# process at once (SIGKILL to its process group): the trainer takes SIGTERM as "stop after this
+# step, save" and would run on past it, beside the next step on the same GPU.
 failed=()
 ran=0
 only=${DEVICE_CHECK_STEPS:-}   # optional: the names of the steps to run, comma separated
@@ -63,10 +67,10 @@ step() {  # step NAME LIMIT_S COMMAND...
   echo; echo "== $name ($(date +%T), limit ${limit}s)"
   local t0=$SECONDS rc
   if [ -n "$log_dir" ]; then
-    timeout "$limit" bash -c '"$@"' step "$@" 2>&1 | tee "$log_dir/${name// /_}.log"
+    timeout -s KILL "$limit" bash -c '"$@"' step "$@" 2>&1 | tee "$log_dir/${name// /_}.log"
     rc=${PIPESTATUS[0]}
   else
-    timeout "$limit" bash -c '"$@"' step "$@"; rc=$?
+    timeout -s KILL "$limit" bash -c '"$@"' step "$@"; rc=$?
   fi
   echo "== $name: exit $rc after $((SECONDS - t0)) s"
   [ "$rc" -eq 0 ] || failed+=("$name")
@@ -134,7 +138,8 @@ PY
 }
 export -f recipe_path
 
-step "perf probe" 360 python3 scripts/perf_probe.py --compile-experts   # JSON lines, ours vs HF
+# (the probe stops itself at its budget, its sections and summary printed, before the limit)
+step "perf probe" 360 python3 scripts/perf_probe.py --compile-experts --budget-s 320
 step "main job" 240 main_job   # tiny MoE, bf16, 20 RL steps, NCCL world of one
 step "recipe path" 240 recipe_path   # the cluster recipe's trainer settings, resumed once
 step "grouped experts" 90 python3 -c "

@@ -2,10 +2,10 @@
 
     python scripts/perf_probe.py [--model 1b|tiny] [--device cuda|cpu] [--batch 32]
                                  [--new-tokens 512] [--update-batch 32] [--update-seq 1024]
-                                 [--compile-decode] [--compile-experts]
+                                 [--compile-decode] [--compile-experts] [--budget-s 540]
 
-One JSON line per section (``{"section": ..., ...}``), in about 9 minutes on an H100 / H200 with
-the 1B MoE (0.31B active; ``scripts/gpu_check.py``'s shape), seeded weights:
+One JSON line per section (``{"section": ..., ...}``), within ``--budget-s`` (9 minutes unless
+told), for the 1B MoE (0.31B active; ``scripts/gpu_check.py``'s shape), seeded weights:
 
 - ``launch``: microseconds per kernel launch (a tiny add, queued) and per host synchronisation;
 - ``parity``: our model's logits against transformers' ``Qwen3MoeForCausalLM`` loaded from our
@@ -33,19 +33,25 @@ the 1B MoE (0.31B active; ``scripts/gpu_check.py``'s shape), seeded weights:
 
 A path that fails (a CUDA graph's capture, a compilation, memory but where the update halves its
 rows) is listed in its section's ``failed`` (``{path: "Error: first line"}``) and the other paths
-are measured; the probe then exits with status 1. The last line: ``ours vs HF: rollout X.XXx,
-update X.XXx`` (the best of ours; "n/a" where a side has no figure). ``--device cpu --model
-tiny`` runs every section but CUDA graphs on CPU (the tests do).
+are measured; the probe then exits with status 1. So is a path that the time budget
+(``--budget-s``, from the start) stops, and every path after it is skipped: the sections and
+the summary line still print, inside a time limit a few seconds longer than the budget. The
+last line: ``ours vs HF: rollout X.XXx, update X.XXx`` (the best of ours; "n/a" where a side
+has no figure). ``--device cpu --model tiny`` runs every section but CUDA graphs on CPU (the
+tests do).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -81,19 +87,64 @@ def failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {first_line(e, default='')}"[:300]
 
 
-def attempt(name: str, fn, failed: dict, keep=()):
-    """``fn()``; where it raises (but for ``keep``), None, with the failure in ``failed[name]``
-    and on the progress lines: one path failing on a GPU (a capture, a compilation, memory)
-    leaves the other paths' figures."""
-    try:
-        return fn()
-    except keep:
-        raise
-    except Exception as e:  # (recorded, not hidden)
-        failed[name] = failure(e)
-        note(f"{name} failed: {failed[name]}")
-        release_memory()
-        return None
+class OverBudget(Exception):
+    """The probe's time budget ran out inside a path."""
+
+
+class Paths:
+    """What became of the probe's paths (the measurements that may fail on their own: a CUDA
+    graph's capture, a compilation, memory) within its time budget (seconds from its making;
+    None: none). ``failed``: path ("section name") -> "Error: first line"."""
+
+    def __init__(self, budget_s: float | None = None):
+        self.failed: dict = {}
+        self.budget_s = budget_s
+        self.deadline = None if budget_s is None else time.perf_counter() + budget_s
+
+    def attempt(self, name: str, fn, keep=()):
+        """``fn()``; where it raises (but for ``keep``), None, with the failure in
+        ``failed[name]`` and on the progress lines: one path failing on a GPU leaves the other
+        paths' figures. Past the budget ``fn`` is not run; a run that reaches it is stopped
+        (``OverBudget``, raised in the main thread by an alarm)."""
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            self.failed[name] = f"skipped: the time budget of {self.budget_s:g} s ran out before it"
+            note(f"{name} {self.failed[name]}")
+            return None
+        try:
+            with self._alarm():
+                return fn()
+        except keep:
+            raise
+        except Exception as e:  # (recorded, not hidden)
+            self.failed[name] = failure(e)
+            note(f"{name} failed: {self.failed[name]}")
+            release_memory()
+            return None
+
+    def section(self, section: str) -> dict:
+        """``{"failed": {path: failure}}`` of one section's paths (none: nothing)."""
+        mine = {k.split(" ", 1)[-1]: v for k, v in self.failed.items()
+                if k == section or k.startswith(section + " ")}
+        return {"failed": mine} if mine else {}
+
+    @contextlib.contextmanager
+    def _alarm(self):
+        """``OverBudget`` raised in the block when the budget runs out (SIGALRM; the main
+        thread only), the previous handler back after it."""
+        if self.deadline is None or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def expire(signum, frame):
+            raise OverBudget(f"the time budget of {self.budget_s:g} s ran out")
+
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, max(self.deadline - time.perf_counter(), 1e-3))
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
 
 
 def release_memory() -> None:
@@ -147,7 +198,7 @@ def hf_model(gpt, m, ctx, dtype):
     return AutoModelForCausalLM.from_pretrained(out, dtype=dtype).to(ctx.device).eval()
 
 
-def rollout_rates(gpt, hf, ctx, args, prompts, failed: dict) -> dict:
+def rollout_rates(gpt, hf, ctx, args, prompts, paths: Paths) -> dict:
     from megatron_gspo.rollout.local_engine import LocalEngine
     from megatron_gspo.rollout.static_decode import StaticGenerator
     from megatron_gspo.rollout.types import SamplingParams
@@ -170,7 +221,7 @@ def rollout_rates(gpt, hf, ctx, args, prompts, failed: dict) -> dict:
     short = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
 
     def measure(name, run):
-        rate = attempt(f"rollout {name}", run, failed)
+        rate = paths.attempt(f"rollout {name}", run)
         if rate is not None:
             out[name] = rate
             note(f"rollout {name}: {rate:.0f} tokens/s")
@@ -237,7 +288,7 @@ def eager_experts(gpt) -> None:
             layer.compiled = None
 
 
-def update_rates(gpt, hf, m, ctx, args, failed: dict) -> tuple:
+def update_rates(gpt, hf, m, ctx, args, paths: Paths) -> tuple:
     from megatron_gspo.algorithms.logprobs import token_logprobs
     from megatron_gspo.models.grouped_experts import compile_grouped_experts
     from megatron_gspo.trainer.optim import OptimConfig, wrap_and_build_optimizer
@@ -289,10 +340,10 @@ def update_rates(gpt, hf, m, ctx, args, failed: dict) -> tuple:
                 fn()  # (warm-up; the compilation where compiled)
                 return timed(fn, ctx.device, repeats=3)
 
-            seconds = attempt(f"update {name}", run, failed, keep=(torch.OutOfMemoryError,))
+            seconds = paths.attempt(f"update {name}", run, keep=(torch.OutOfMemoryError,))
             if seconds is None:
                 continue
-            failed.pop(f"update {name}", None)  # (a smaller try's success replaces a failure)
+            paths.failed.pop(f"update {name}", None)  # (a smaller try's success replaces a failure)
             out[f"{name}_s"] = seconds
             out[f"{name}_tflops"] = flops / seconds / 1e12
             out[f"{name}_mfu"] = out[f"{name}_tflops"] / PEAK_TFLOPS
@@ -362,7 +413,11 @@ def main() -> None:
                    help="also time the static decoder compiled (rollout.compile_decode)")
     p.add_argument("--compile-experts", action="store_true",
                    help="also time the update with the grouped experts compiled")
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="seconds from the start: a path running then is stopped, the later ones "
+                        "skipped (the sections and the summary still print)")
     args = p.parse_args()
+    paths = Paths(args.budget_s)
     if args.update_batch is None:
         args.update_batch = max(1, gpu_micro_batch_tokens() // args.update_seq)
     warnings.filterwarnings("ignore")
@@ -385,30 +440,22 @@ def main() -> None:
                             generator=g).tolist()
     # (the update first: see the docstring). A path that fails is listed in its section's
     # "failed" ({path: "Error: message"}) and the others are measured.
-    failed = {}
-    update, micro_batch = update_rates(gpt, hf, m, ctx, args, failed)
-    emit("update", **update, **section_failures(failed, "update"))
-    rollout = rollout_rates(gpt, hf, ctx, args, prompts, failed)
+    update, micro_batch = update_rates(gpt, hf, m, ctx, args, paths)
+    emit("update", **update, **paths.section("update"))
+    rollout = rollout_rates(gpt, hf, ctx, args, prompts, paths)
     emit("rollout", batch=args.batch, new_tokens=args.new_tokens, **rollout,
-         **section_failures(failed, "rollout"))
-    profile = attempt("profile", lambda: profile_counts(
-        gpt, ctx, prompts[:min(8, len(prompts))], micro_batch), failed)
-    emit("profile", **(profile or {}), **section_failures(failed, "profile"))
+         **paths.section("rollout"))
+    profile = paths.attempt("profile", lambda: profile_counts(
+        gpt, ctx, prompts[:min(8, len(prompts))], micro_batch))
+    emit("profile", **(profile or {}), **paths.section("profile"))
     emit("memory", peak_gib=(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
                              else None))
     rollout_x = times(best(rollout, "ours", "_tokens_per_s", max),
                       best(rollout, "hf", "_tokens_per_s", max))
     update_x = times(best(update, "hf", "_s", min), best(update, "ours", "_s", min))
     print(f"ours vs HF: rollout {rollout_x}, update {update_x}", flush=True)
-    if failed:  # (every figure printed; the exit status says that some are missing)
-        sys.exit(f"perf_probe: {len(failed)} failed: {', '.join(failed)}")
-
-
-def section_failures(failed: dict, section: str) -> dict:
-    """``{"failed": {path: failure}}`` of one section's paths (none: nothing)."""
-    mine = {k.split(" ", 1)[-1]: v for k, v in failed.items()
-            if k == section or k.startswith(section + " ")}
-    return {"failed": mine} if mine else {}
+    if paths.failed:  # (every figure printed; the exit status says that some are missing)
+        sys.exit(f"perf_probe: {len(paths.failed)} failed: {', '.join(paths.failed)}")
 
 
 def best(figures: dict, prefix: str, suffix: str, pick):

@@ -214,35 +214,85 @@ def test_a_path_that_fails_in_the_perf_probe_leaves_the_others_figures():
     assert out.stdout.strip().splitlines()[-1].startswith("ours vs HF: rollout ")
 
 
+def test_a_perf_probe_out_of_time_still_prints_every_section_and_its_summary():
+    """With no time left (``--budget-s 0``) every path is skipped, each listed under its
+    section; the sections and the summary line print and the probe exits with status 1."""
+    import json
+
+    out = subprocess.run([sys.executable, "scripts/perf_probe.py", "--device", "cpu", "--model",
+                          "tiny", "--batch", "2", "--new-tokens", "3", "--prompt-tokens", "4",
+                          "--update-batch", "1", "--update-seq", "8", "--budget-s", "0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 1, out.stderr[-3000:]
+    lines = {x["section"]: x for x in map(json.loads, (
+        x for x in out.stdout.splitlines() if x.startswith("{")))}
+    assert list(lines) == ["launch", "parity", "update", "rollout", "profile", "memory"]
+    skipped = "skipped: the time budget of 0 s ran out before it"
+    assert lines["update"]["failed"] == {"ours": skipped, "hf": skipped}
+    assert lines["rollout"]["failed"] == dict.fromkeys(
+        ["ours_static", "hf_dynamic_cache", "hf_static_cache", "ours_as_is"], skipped)
+    assert lines["profile"]["failed"] == {"profile": skipped}
+    assert out.stdout.strip().splitlines()[-1] == "ours vs HF: rollout n/a, update n/a"
+    assert out.stderr.strip().splitlines()[-1].startswith("perf_probe: 7 failed: update ours, ")
+
+
 def test_the_perf_probes_attempt_records_a_failure_and_lets_memory_through():
     """``attempt``: the value, or None with the failure's first line recorded; the kinds it is
     told to keep (the update's out-of-memory, which halves the rows) and interrupts go through."""
     from scripts import perf_probe
 
-    failed = {}
-    assert perf_probe.attempt("rollout a", lambda: 3.0, failed) == 3.0 and failed == {}
+    paths = perf_probe.Paths()
+    assert paths.attempt("rollout a", lambda: 3.0) == 3.0 and paths.failed == {}
+
     def two_lines():
         raise ValueError("the first line\nthe second")
 
-    assert perf_probe.attempt("rollout b", two_lines, failed) is None
-    assert failed == {"rollout b": "ValueError: the first line"}
-    assert perf_probe.section_failures(failed, "rollout") == {"failed": {"b": failed["rollout b"]}}
-    assert perf_probe.section_failures(failed, "update") == {}
+    assert paths.attempt("rollout b", two_lines) is None
+    assert paths.failed == {"rollout b": "ValueError: the first line"}
+    assert paths.section("rollout") == {"failed": {"b": paths.failed["rollout b"]}}
+    assert paths.section("update") == {}
 
     def out_of_memory():
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     with pytest.raises(torch.OutOfMemoryError):
-        perf_probe.attempt("update ours", out_of_memory, failed, keep=(torch.OutOfMemoryError,))
-    assert perf_probe.attempt("update hf", out_of_memory, failed) is None
-    assert failed["update hf"] == "OutOfMemoryError: CUDA out of memory"
+        paths.attempt("update ours", out_of_memory, keep=(torch.OutOfMemoryError,))
+    assert paths.attempt("update hf", out_of_memory) is None
+    assert paths.failed["update hf"] == "OutOfMemoryError: CUDA out of memory"
 
     def interrupted():
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        perf_probe.attempt("profile", interrupted, failed)
+        paths.attempt("profile", interrupted)
     assert perf_probe.times(6.0, 4.0) == "1.50x" and perf_probe.times(None, 4.0) == "n/a"
+
+
+def test_the_perf_probes_budget_stops_the_path_running_and_skips_the_later_ones():
+    """A path still running when the probe's time budget runs out is stopped (it would never
+    end here) and recorded; the paths after it are not run; the alarm's handler is put back."""
+    import signal
+    import time
+
+    from scripts import perf_probe
+
+    before = signal.getsignal(signal.SIGALRM)
+    paths = perf_probe.Paths(budget_s=0.5)
+    assert paths.attempt("update ours", lambda: 2.0) == 2.0  # (within the budget)
+    assert signal.getsignal(signal.SIGALRM) is before
+
+    def forever():
+        while True:
+            time.sleep(0.01)
+
+    ran = []
+    assert paths.attempt("rollout ours_static", forever) is None
+    assert paths.attempt("rollout hf_dynamic_cache", lambda: ran.append(1)) is None
+    assert ran == [] and signal.getsignal(signal.SIGALRM) is before
+    assert paths.failed == {
+        "rollout ours_static": "OverBudget: the time budget of 0.5 s ran out",
+        "rollout hf_dynamic_cache": "skipped: the time budget of 0.5 s ran out before it"}
 
 
 def test_the_perf_probes_update_is_a_gpu_micro_batch_or_the_largest_that_fits():

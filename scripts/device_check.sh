@@ -50,7 +50,7 @@ if [ -d "$wheels" ]; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('GPU:', torch.cuda.get_device_name(), '| torch', torch.__version__)" || exit 1
-python3 -c "import megatron.core, hydra, omegaconf, math_verify, transformers; print('megatron-core', megatron.core.__version__, '| transformers', transformers.__version__)" \
+python3 -W ignore -c "import megatron.core, hydra, omegaconf, math_verify, transformers; print('megatron-core', megatron.core.__version__, '| transformers', transformers.__version__)" \
   || { echo "device check: a package is missing: put the wheels of this script's header in $wheels"; exit 1; }
 
 # Every step runs (a failure does not hide what the later steps would show), each under its own

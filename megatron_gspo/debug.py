@@ -80,11 +80,11 @@ def _isin_sorts(args, kwargs) -> bool:
     return not unique and n > 0 and test.numel() >= int(10.0 * n ** 0.145)
 
 
-def _histc_range(args, kwargs):
-    """``histc``'s ``(min, max)``: both 0 (torch's default) asks for the data's own."""
-    given = list(args[2:4]) + [None, None]
-    return (kwargs.get("min", 0 if given[0] is None else given[0]),
-            kwargs.get("max", 0 if given[1] is None else given[1]))
+def _histc_of_the_datas_range(args, kwargs) -> bool:
+    """Whether ``histc`` takes the data's own range: ``min == max`` (0 and 0 by default)."""
+    low = args[2] if len(args) > 2 else kwargs.get("min", 0)
+    high = args[3] if len(args) > 3 else kwargs.get("max", 0)
+    return low == high
 
 
 class _AtDispatch(TorchDispatchMode):
@@ -102,7 +102,7 @@ class _AtDispatch(TorchDispatchMode):
             self.seen.add("repeat_interleave without output_size")
         elif name in _MASK_INDEXED and len(args) > 1 and _is_bool_index(args[1]):
             self.seen.add(f"{name} with a boolean mask")
-        elif name == "histc" and _histc_range(args, kwargs)[0] == _histc_range(args, kwargs)[1]:
+        elif name == "histc" and _histc_of_the_datas_range(args, kwargs):
             self.seen.add("histc without a range")
         elif name == "isin" and _isin_sorts(args, kwargs):
             self.seen.add("isin (sorting: a unique inside)")

@@ -9,7 +9,8 @@ told), for the 1B MoE (0.31B active; ``scripts/gpu_check.py``'s shape), seeded w
 
 - ``launch``: microseconds per kernel launch (a tiny add, queued) and per host synchronisation;
 - ``parity``: our model's logits against transformers' ``Qwen3MoeForCausalLM`` loaded from our
-  export of the same weights (largest difference);
+  export of the same weights (largest difference; where it does not load, transformers' paths
+  fail, ours are measured);
 - ``update``: a training step (forward, backward, Adam) on ``--update-batch`` x
   ``--update-seq`` tokens, by default one micro-batch of ``trainer=gpu`` (its
   ``max_tokens_per_micro_batch``: what the trainer feeds a GPU at a time): ours (megatron DDP,
@@ -188,6 +189,22 @@ def build(m: ModelConfig, device_name: str):
     return ctx, gpt
 
 
+def loaded(hf):
+    """transformers' model, for a path that runs it (None: it did not load; the path fails)."""
+    if hf is None:
+        raise RuntimeError("transformers' model did not load (the parity section says why)")
+    return hf
+
+
+def logit_difference(gpt, hf, ids) -> float:
+    """The largest difference of our logits and transformers' for the same ``ids``."""
+    with torch.no_grad():
+        ours = gpt(ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids),
+                   attention_mask=None)
+        theirs = loaded(hf)(input_ids=ids).logits
+    return float((ours.float() - theirs.float()).abs().max())
+
+
 def hf_model(gpt, m, ctx, dtype):
     from transformers import AutoModelForCausalLM
 
@@ -245,8 +262,10 @@ def rollout_rates(gpt, hf, ctx, args, prompts, paths: Paths) -> dict:
         @torch.no_grad()
         def run(kw=kw, extra=extra):
             # the static cache compiles its forward for the cache's shape: warm up on that shape
-            hf.generate(ids, **(kw if extra else dict(kw, max_new_tokens=4, min_new_tokens=4)))
-            return tokens / timed(lambda: hf.generate(ids, **kw), ctx.device)
+            model = loaded(hf)
+            model.generate(ids, **(kw if extra else dict(kw, max_new_tokens=4,
+                                                         min_new_tokens=4)))
+            return tokens / timed(lambda: model.generate(ids, **kw), ctx.device)
 
         measure(name, run)
     ours("ours_as_is", LocalEngine(gpt, ctx, pad_id=0))
@@ -295,9 +314,11 @@ def update_rates(gpt, hf, m, ctx, args, paths: Paths) -> tuple:
 
     _, active = param_counts(m)
     ddp, opt = wrap_and_build_optimizer(gpt, ctx, OptimConfig(lr=1e-6))
-    hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-6, fused=ctx.device.type == "cuda")
+    hf_opt = None if hf is None else torch.optim.AdamW(hf.parameters(), lr=1e-6,
+                                                       fused=ctx.device.type == "cuda")
     gpt.train()
-    hf.train()
+    if hf is not None:
+        hf.train()
 
     def steps_at(rows: int):
         g = torch.Generator().manual_seed(2)
@@ -315,10 +336,11 @@ def update_rates(gpt, hf, m, ctx, args, paths: Paths) -> tuple:
             opt.step()
 
         def theirs():
+            model = loaded(hf)
             hf_opt.zero_grad(set_to_none=True)
             with torch.autocast(ctx.device.type, dtype=torch.bfloat16,
                                 enabled=ctx.device.type == "cuda"):
-                logits = hf(input_ids=x).logits
+                logits = model(input_ids=x).logits
             logp = torch.log_softmax(logits.float(), -1).gather(-1, y[..., None])[..., 0]
             (-logp.mean()).backward()
             hf_opt.step()
@@ -356,7 +378,8 @@ def update_rates(gpt, hf, m, ctx, args, paths: Paths) -> tuple:
            "out_of_memory_at_tokens": [r * args.update_seq for r in too_many], **out}
     eager_experts(gpt)  # the rollout and the profile after this run the eager experts
     gpt.eval()
-    hf.eval()
+    if hf is not None:
+        hf.eval()
     return out, steps_at(rows)[0]
 
 
@@ -429,13 +452,13 @@ def main() -> None:
     emit("launch", device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
          **launch_costs(device))
     dtype = torch.bfloat16 if m.params_dtype == "bfloat16" else torch.float32
-    hf = hf_model(gpt, m, ctx, dtype)
+    # (transformers' model not loading, another version's for instance, fails its own paths)
+    hf = paths.attempt("parity load", lambda: hf_model(gpt, m, ctx, dtype))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, m.vocab_size, (2, 33), generator=g).to(device)
-    with torch.no_grad():
-        ours = gpt(ids, torch.arange(33, device=device).expand_as(ids), attention_mask=None)
-        theirs = hf(input_ids=ids).logits
-    emit("parity", max_abs_logit_diff=float((ours.float() - theirs.float()).abs().max()))
+    diff = paths.attempt("parity", lambda: logit_difference(gpt, hf, ids))
+    emit("parity", **({} if diff is None else {"max_abs_logit_diff": diff}),
+         **paths.section("parity"))
     prompts = torch.randint(3, m.vocab_size, (args.batch, args.prompt_tokens),
                             generator=g).tolist()
     # (the update first: see the docstring). A path that fails is listed in its section's

@@ -229,12 +229,52 @@ def test_a_perf_probe_out_of_time_still_prints_every_section_and_its_summary():
         x for x in out.stdout.splitlines() if x.startswith("{")))}
     assert list(lines) == ["launch", "parity", "update", "rollout", "profile", "memory"]
     skipped = "skipped: the time budget of 0 s ran out before it"
+    assert lines["parity"]["failed"] == {"load": skipped, "parity": skipped}
     assert lines["update"]["failed"] == {"ours": skipped, "hf": skipped}
     assert lines["rollout"]["failed"] == dict.fromkeys(
         ["ours_static", "hf_dynamic_cache", "hf_static_cache", "ours_as_is"], skipped)
     assert lines["profile"]["failed"] == {"profile": skipped}
     assert out.stdout.strip().splitlines()[-1] == "ours vs HF: rollout n/a, update n/a"
-    assert out.stderr.strip().splitlines()[-1].startswith("perf_probe: 7 failed: update ours, ")
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "perf_probe: 9 failed: parity load, parity, update ours, ")
+
+
+PLANTED_HF = """
+import sys
+import transformers
+
+def planted(*args, **kwargs):
+    raise OSError("planted: this transformers cannot read the export\\nsecond line")
+
+transformers.AutoModelForCausalLM.from_pretrained = planted
+sys.argv = ["perf_probe.py"] + sys.argv[1:]
+from scripts import perf_probe
+perf_probe.main()
+"""
+
+
+def test_a_transformers_that_cannot_load_the_model_leaves_our_figures():
+    """Where the GPU's transformers cannot load our export (planted: another version's), its
+    paths fail in one line each, ours are measured, and the summary says n/a."""
+    import json
+
+    out = subprocess.run([sys.executable, "-c", PLANTED_HF, "--device", "cpu", "--model",
+                          "tiny", "--batch", "2", "--new-tokens", "3", "--prompt-tokens", "4",
+                          "--update-batch", "1", "--update-seq", "8"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 1, out.stderr[-3000:]
+    lines = {x["section"]: x for x in map(json.loads, (
+        x for x in out.stdout.splitlines() if x.startswith("{")))}
+    not_loaded = "RuntimeError: transformers' model did not load (the parity section says why)"
+    assert lines["parity"]["failed"] == {
+        "load": "OSError: planted: this transformers cannot read the export", "parity": not_loaded}
+    assert lines["update"]["failed"] == {"hf": not_loaded} and lines["update"]["ours_s"] > 0
+    assert lines["rollout"]["failed"] == {"hf_dynamic_cache": not_loaded,
+                                          "hf_static_cache": not_loaded}
+    assert {"ours_static_tokens_per_s", "ours_as_is_tokens_per_s"} <= set(lines["rollout"])
+    assert "failed" not in lines["profile"]
+    assert out.stdout.strip().splitlines()[-1] == "ours vs HF: rollout n/a, update n/a"
 
 
 def test_the_perf_probes_attempt_records_a_failure_and_lets_memory_through():

@@ -50,8 +50,9 @@ if [ -d "$wheels" ]; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('GPU:', torch.cuda.get_device_name(), '| torch', torch.__version__)" || exit 1
-python3 -W ignore -c "import megatron.core, hydra, omegaconf, math_verify, transformers; print('megatron-core', megatron.core.__version__, '| transformers', transformers.__version__)" \
+python3 -W ignore -c "import megatron.core, hydra, omegaconf, math_verify" \
   || { echo "device check: a package is missing: put the wheels of this script's header in $wheels"; exit 1; }
+python3 -c "import importlib.metadata as m, importlib.util as u; print('megatron-core', m.version('megatron-core'), '| transformers', m.version('transformers') if u.find_spec('transformers') else 'none (the probe measures ours only)')"
 
 # Every step runs (a failure does not hide what the later steps would show), each under its own
 # time limit; the script fails at the end if any step did. A limit kills the step's every

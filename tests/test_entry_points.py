@@ -145,20 +145,35 @@ def test_a_process_that_exits_with_its_world_up_tears_it_down_first():
     assert r == {"world": False, "megatron": False}
 
 
+PROBE_MAIN = """
+sys.argv = ["perf_probe.py"] + sys.argv[1:]
+from scripts import perf_probe
+perf_probe.main()
+"""
+SMALL_PROBE = ("--batch", "2", "--new-tokens", "3", "--prompt-tokens", "4", "--update-batch", "1",
+               "--update-seq", "8")
+
+
+def run_probe(*args, planted: str = ""):
+    """scripts/perf_probe.py on CPU with the tiny model and ``args``, after ``planted`` (code run
+    first in its process): the finished process and its JSON lines, in order."""
+    import json
+
+    code = "import sys\n" + planted + PROBE_MAIN
+    out = subprocess.run([sys.executable, "-c", code, "--device", "cpu", "--model", "tiny", *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return out, [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+
+
 def test_the_perf_probe_runs_every_section_on_cpu():
     """scripts/perf_probe.py (the one-GPU probe) on CPU with the tiny model: one JSON line per
     section (launch, parity with transformers, update (the experts compiled too), rollout (the
     static decoder compiled too), profile, memory), then the summary line."""
-    import json
-
-    out = subprocess.run([sys.executable, "scripts/perf_probe.py", "--device", "cpu", "--model",
-                          "tiny", "--batch", "3", "--new-tokens", "5", "--prompt-tokens", "4",
-                          "--update-batch", "2", "--update-seq", "8", "--compile-decode",
-                          "--compile-experts"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out, lines = run_probe("--batch", "3", "--new-tokens", "5", "--prompt-tokens", "4",
+                           "--update-batch", "2", "--update-seq", "8", "--compile-decode",
+                           "--compile-experts")
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
     assert [x["section"] for x in lines] == ["launch", "parity", "update", "rollout", "profile",
                                              "memory"]
     assert lines[1]["max_abs_logit_diff"] < 1e-4  # the same weights in transformers
@@ -172,16 +187,12 @@ def test_the_perf_probe_runs_every_section_on_cpu():
 
 
 PLANTED_PROBE = """
-import sys
 from megatron_gspo.rollout import static_decode
 
 def planted(self, *args, **kwargs):
     raise RuntimeError("planted: the capture failed\\nsecond line")
 
 static_decode.StaticGenerator.generate = planted  # every static decoder, the profile's too
-sys.argv = ["perf_probe.py"] + sys.argv[1:]
-from scripts import perf_probe
-perf_probe.main()
 """
 
 
@@ -190,18 +201,11 @@ def test_a_path_that_fails_in_the_perf_probe_leaves_the_others_figures():
     with every static decoder failing (planted), the probe lists the failure in one line under
     the sections that ran it, measures the other engines, prints its summary, and exits with
     status 1 (a step of ``device_check.sh`` that failed)."""
-    import json
-
-    out = subprocess.run([sys.executable, "-c", PLANTED_PROBE, "--device", "cpu", "--model",
-                          "tiny", "--batch", "2", "--new-tokens", "3", "--prompt-tokens", "4",
-                          "--update-batch", "1", "--update-seq", "8"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out, records = run_probe(*SMALL_PROBE, planted=PLANTED_PROBE)
     assert out.returncode == 1, out.stderr[-3000:]
     assert out.stderr.strip().splitlines()[-1] == \
         "perf_probe: 2 failed: rollout ours_static, profile"
-    lines = {x["section"]: x for x in map(json.loads, (
-        x for x in out.stdout.splitlines() if x.startswith("{")))}
+    lines = {x["section"]: x for x in records}
     planted = "RuntimeError: planted: the capture failed"
     rollout = lines["rollout"]
     assert rollout["failed"] == {"ours_static": planted}
@@ -217,16 +221,9 @@ def test_a_path_that_fails_in_the_perf_probe_leaves_the_others_figures():
 def test_a_perf_probe_out_of_time_still_prints_every_section_and_its_summary():
     """With no time left (``--budget-s 0``) every path is skipped, each listed under its
     section; the sections and the summary line print and the probe exits with status 1."""
-    import json
-
-    out = subprocess.run([sys.executable, "scripts/perf_probe.py", "--device", "cpu", "--model",
-                          "tiny", "--batch", "2", "--new-tokens", "3", "--prompt-tokens", "4",
-                          "--update-batch", "1", "--update-seq", "8", "--budget-s", "0"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out, records = run_probe(*SMALL_PROBE, "--budget-s", "0")
     assert out.returncode == 1, out.stderr[-3000:]
-    lines = {x["section"]: x for x in map(json.loads, (
-        x for x in out.stdout.splitlines() if x.startswith("{")))}
+    lines = {x["section"]: x for x in records}
     assert list(lines) == ["launch", "parity", "update", "rollout", "profile", "memory"]
     skipped = "skipped: the time budget of 0 s ran out before it"
     assert lines["parity"]["failed"] == {"load": skipped, "parity": skipped}
@@ -240,32 +237,21 @@ def test_a_perf_probe_out_of_time_still_prints_every_section_and_its_summary():
 
 
 PLANTED_HF = """
-import sys
 import transformers
 
 def planted(*args, **kwargs):
     raise OSError("planted: this transformers cannot read the export\\nsecond line")
 
 transformers.AutoModelForCausalLM.from_pretrained = planted
-sys.argv = ["perf_probe.py"] + sys.argv[1:]
-from scripts import perf_probe
-perf_probe.main()
 """
 
 
 def test_a_transformers_that_cannot_load_the_model_leaves_our_figures():
     """Where the GPU's transformers cannot load our export (planted: another version's), its
     paths fail in one line each, ours are measured, and the summary says n/a."""
-    import json
-
-    out = subprocess.run([sys.executable, "-c", PLANTED_HF, "--device", "cpu", "--model",
-                          "tiny", "--batch", "2", "--new-tokens", "3", "--prompt-tokens", "4",
-                          "--update-batch", "1", "--update-seq", "8"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out, records = run_probe(*SMALL_PROBE, planted=PLANTED_HF)
     assert out.returncode == 1, out.stderr[-3000:]
-    lines = {x["section"]: x for x in map(json.loads, (
-        x for x in out.stdout.splitlines() if x.startswith("{")))}
+    lines = {x["section"]: x for x in records}
     not_loaded = "RuntimeError: transformers' model did not load (the parity section says why)"
     assert lines["parity"]["failed"] == {
         "load": "OSError: planted: this transformers cannot read the export", "parity": not_loaded}

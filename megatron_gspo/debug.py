@@ -72,7 +72,8 @@ def _isin_sorts(args, kwargs) -> bool:
     """Whether ``isin`` takes its sorting path, which calls ``unique`` on the elements (torch's
     heuristic, numpy's: sort when the test elements are not fewer than 10 * n ** 0.145; a
     scalar of elements is a tensor of one, a scalar to test against a comparison)."""
-    elements, test = (list(args) + [kwargs.get("elements"), kwargs.get("test_elements")])[:2]
+    elements = args[0] if args else kwargs.get("elements")
+    test = args[1] if len(args) > 1 else kwargs.get("test_elements")
     if not isinstance(test, torch.Tensor):
         return False
     n = elements.numel() if isinstance(elements, torch.Tensor) else 1

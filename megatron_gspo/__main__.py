@@ -13,7 +13,8 @@ from packaging.version import Version
 
 from megatron_gspo import TORCH_MIN
 from megatron_gspo.config import ConfigError
-from megatron_gspo.config.load import conf_dir, job_from_omegaconf, register_configs
+from megatron_gspo.config.load import (check_overrides, conf_dir, job_from_omegaconf,
+                                       register_configs)
 
 
 register_configs()
@@ -92,6 +93,7 @@ def entry() -> None:
     try:
         check_torch(torch.__version__)
         check_group_choices(sys.argv[1:])
+        check_overrides(sys.argv[1:])
     except ConfigError as e:
         _report(f"config error: {e}")
         sys.exit(2)

@@ -267,6 +267,52 @@ def test_a_torch_older_than_the_floor_is_one_line_at_start(monkeypatch, capsys):
         f"(torch.nn.functional.grouped_mm); fix: pip install 'torch>={TORCH_MIN}'\n")
 
 
+REFUSED_OVERRIDES = [  # (command line, the one line), each refused before Hydra runs
+    (["trainer.stpes=2"], "trainer.stpes=2: no such key; fix: did you mean trainer.steps?"),
+    (["-m", "trainer.lr=1e-5,1e-6", "trainer.max_tokens_per_microbatch=8"],
+     "trainer.max_tokens_per_microbatch=8: no such key; fix: did you mean "
+     "trainer.max_tokens_per_micro_batch?"),
+    (["stepz=3"], "stepz=3: no such key; fix: the config has algo, backend, cluster, data, "
+                  "logging, model, parallel, replay, rollout, run_dir, seed, trainer"),
+    (["algo=grpo", "algo.clip_low=abc"],
+     "algo.clip_low=abc: Value 'abc' of type 'str' could not be converted to Float; fix: "
+     "python -m megatron_gspo --cfg job shows every key and its value"),
+    (["trainer.steps=[1"], "trainer.steps=[1: Hydra cannot parse this override (no viable "
+                           "alternative at input '[1'); fix: see "
+                           "https://hydra.cc/docs/advanced/override_grammar/basic/"),
+    (["trainer.lr=1e-5,1e-6"], "trainer.lr=1e-5,1e-6: several values without --multirun; "
+                               "fix: add --multirun (-m) to sweep them, or write a list as "
+                               "trainer.lr=[...]"),
+    (["--multirun", "algo=gspo,grpo", "model.num_experts=4,x"],  # each value of a sweep
+     "model.num_experts=x: Value 'x' of type 'str' could not be converted to Integer; fix: "
+     "python -m megatron_gspo --cfg job shows every key and its value"),
+    (["-m", "algo=gspo", "--cfg", "job"],
+     "--multirun and --cfg: Hydra takes one of these at a time; fix: drop all but one"),
+]
+
+
+@pytest.mark.parametrize("argv,line", REFUSED_OVERRIDES, ids=[a[-1] for a, _ in REFUSED_OVERRIDES])
+def test_an_override_hydra_refuses_is_one_line_with_exit_code_2(monkeypatch, capsys, argv, line):
+    """Where Hydra would write several lines (and exit 1), the entry writes one (exit 2)."""
+    monkeypatch.setattr("sys.argv", ["megatron_gspo", *argv])
+    with pytest.raises(SystemExit) as e:
+        entry()
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"config error: {line}\n"
+
+
+def test_the_overrides_check_passes_what_hydra_composes():
+    from megatron_gspo.config.load import check_overrides
+
+    check_overrides(["-m", "algo=gspo,grpo", "replay=none,r2", "trainer.lr=1e-5,1e-6",
+                     "trainer.steps=range(1,4)", "+arm=gspo", "hydra.sweep.dir=sweeps",
+                     "rollout.sglang_urls=[http://h:1,http://h:2]"])
+    check_overrides(["+experiment=paper_tiny", "hydra.run.dir=runs/x", "data=files",
+                     "data.files=[a.jsonl]"])
+    check_overrides(["--cfg", "job", "model.num_experts=4"])
+    check_overrides(["--config-name", "other", "anything.goes=1"])  # (Hydra's to report)
+
+
 def test_unknown_key_names_the_section():
     with pytest.raises(ConfigError) as e:
         job_from_dict({"algo": {"nam": "gspo"}})

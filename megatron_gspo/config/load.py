@@ -5,6 +5,7 @@ ConfigStore, the config groups' directory, and the one function every entry poin
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from typing import Any
 
@@ -13,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megatron_gspo.config import checks
 from megatron_gspo.config.algo import AlgoConfig, ReplayConfig
-from megatron_gspo.config.errors import ConfigError, invalid
+from megatron_gspo.config.errors import ConfigError, first_line, invalid
 from megatron_gspo.config.job import JobConfig
 from megatron_gspo.config.model import ModelConfig, ParallelConfig
 from megatron_gspo.config.rollout import RolloutConfig
@@ -80,14 +81,104 @@ def job_from_dict(data: dict) -> JobConfig:
 
 def compose_job(overrides: list) -> JobConfig:
     """The job ``python -m megatron_gspo OVERRIDES`` would run (without starting anything)."""
-    from hydra import compose, initialize_config_dir
-
-    register_configs()
-    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-        cfg = compose("config", overrides=[*overrides, "run_dir=."])
-    data = OmegaConf.to_container(cfg, resolve=False)
+    data = OmegaConf.to_container(compose(overrides + ["run_dir=."]), resolve=False)
     data.pop("hydra", None)
     return job_from_dict(data)
+
+
+def compose(overrides: list) -> DictConfig:
+    """Hydra's composition of the config groups with ``overrides``; an override it refuses (a
+    key the schema lacks, a value of the wrong type, bad syntax) is a one-line ``ConfigError``
+    naming it, where Hydra writes several lines."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_configs()
+    held = GlobalHydra.instance().hydra  # a Hydra already running (an app, a caller's compose)
+    GlobalHydra.instance().clear()  # (Hydra composes under one global instance at a time)
+    try:
+        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+            return hydra_compose("config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(_override_error(e, overrides)) from None
+    finally:
+        if held is not None:
+            GlobalHydra.instance().initialize(held)
+
+
+def check_overrides(argv: list) -> None:
+    """The command line's overrides composed once before Hydra runs, so that one it refuses is
+    one line (``compose``). A sweep (``--multirun``) checks each of its values; Hydra's own
+    options (``hydra.*``, ``--config-name`` and the like) are left to Hydra."""
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
+    from hydra.errors import HydraException
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    modes = [m for m, on in (("--run", args.run), ("--multirun", args.multirun),
+                             ("--cfg", args.cfg), ("--info", args.info),
+                             ("--shell-completion", args.shell_completion)) if on]
+    if len(modes) > 1:
+        raise ConfigError(f"{' and '.join(modes)}: Hydra takes one of these at a time; fix: "
+                          "drop all but one")
+    if any((args.help, args.hydra_help, args.info, args.shell_completion, args.config_path,
+            args.config_name, args.config_dir, args.experimental_rerun)):
+        return
+    lines = [a for a in args.overrides
+             if not a.lstrip("+~").startswith(("hydra.", "hydra/", "hydra="))]
+    parsed = []
+    for line in lines:
+        try:
+            parsed.extend(OverridesParser.create().parse_overrides([line]))
+        except HydraException as e:
+            raise ConfigError(f"{line}: Hydra cannot parse this override ({first_line(e)}); "
+                              "fix: see https://hydra.cc/docs/advanced/override_grammar/basic/"
+                              ) from None
+    base = [o.input_line for o in parsed if not o.is_sweep_override()]
+    trials = [base]
+    for o in parsed:
+        if not o.is_sweep_override():
+            continue
+        if not args.multirun:
+            raise ConfigError(f"{o.input_line}: several values without --multirun; fix: add "
+                              "--multirun (-m) to sweep them, or write a list as "
+                              f"{o.key_or_group}=[...]")
+        if o.value_type in (ValueType.SIMPLE_CHOICE_SWEEP, ValueType.CHOICE_SWEEP,
+                            ValueType.RANGE_SWEEP):
+            trials += [base + [f"{o.get_key_element()}={v}"] for v in o.sweep_string_iterator()]
+    for trial in trials:
+        compose(trial)
+
+
+def _override_error(e: Exception, overrides: list) -> str:
+    """One line for Hydra's refusal ``e`` of one of ``overrides``: the override, OmegaConf's
+    reason (the exception's cause) and a fix (the nearest keys where a key is unknown)."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    cause = e.__cause__ if e.__cause__ is not None else e
+    key = getattr(cause, "full_key", None) or ""
+    named = [o for o in overrides if o.lstrip("+~").partition("=")[0] == key]
+    where = named[0] if named else (key or "an override")
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and key:
+        parent, _, name = key.rpartition(".")
+        known = _keys(parent)
+        near = difflib.get_close_matches(name, known, n=3)
+        fix = (f"did you mean {', '.join(f'{parent}.{k}' if parent else k for k in near)}?"
+               if near else f"{parent or 'the config'} has {', '.join(sorted(known))}")
+        return f"{where}: no such key; fix: {fix}"
+    return (f"{where}: {first_line(cause)}; fix: python -m megatron_gspo --cfg job shows every "
+            "key and its value")
+
+
+def _keys(path: str) -> list:
+    """The keys of the config node at ``path`` ("" for the top), from the schema's sections."""
+    if not path:
+        return sorted(SECTIONS) + ["seed", "run_dir"]
+    cls = SECTIONS.get(path)
+    return [f.name for f in dataclasses.fields(cls)] if cls else []
 
 
 def job_from_omegaconf(node) -> JobConfig:

@@ -29,6 +29,9 @@
 #   --smoke               instead of training: run docker/smoke.sh in the container on one node
 #                         (one GPU; needs --container-image)
 #   --dry-run             print the plan, the sbatch command and every command the job would run
+#
+# Environment: PYTHON, the python that checks the plan here (default: the active environment's,
+# else the checkout's .venv).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)"
@@ -124,7 +127,20 @@ PLAN=(--nodes "$NODES" --gpus-per-node "$GPUS" --sglang-nodes "$SGLANG_NODES"
       --gpu-memory-gb "$GPU_MEMORY_GB")
 [[ -n "$MODEL_PATH" ]] && PLAN+=(--model-path "$MODEL_PATH")
 [[ "$SGLANG" == none ]] || PLAN+=(--sglang-tp "${SGLANG_TP:-$GPUS}" --sglang-ep "$SGLANG_EP")
-(cd "$HERE/.." && python -m tools.plan_layout "${PLAN[@]}" -- "$@") \
+# The plan runs here, on the login node: $PYTHON, else the active environment's python, else
+# the checkout's .venv (make install), whichever has the project's packages.
+usable() { "$1" -c "import torch, hydra, megatron.core" >/dev/null 2>&1; }
+PY="${PYTHON:-}"
+if [[ -z "$PY" ]]; then
+  for candidate in python "$HERE/../.venv/bin/python"; do
+    if usable "$candidate"; then PY="$candidate"; break; fi
+  done
+fi
+if [[ -z "$PY" ]] || ! usable "$PY"; then
+  die "no python with the project's packages (torch, hydra, megatron-core) to check the plan:" \
+    "activate their environment (make install makes .venv) or set PYTHON=/path/to/python"
+fi
+(cd "$HERE/.." && "$PY" -m tools.plan_layout "${PLAN[@]}" -- "$@") \
   || die "the job does not fit or does not validate (the line above says why)"
 
 if [[ -n "$DRY_RUN" ]]; then

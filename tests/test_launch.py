@@ -160,6 +160,19 @@ def test_colocated_servers_are_refused_with_the_reason(cluster):
     assert log.read_text() == ""
 
 
+def test_a_python_without_the_project_is_one_line_before_anything_is_queued(cluster):
+    env, log, tmp = cluster
+    bare = tmp / "python"  # a python that cannot import the project's packages
+    bare.write_text("#!/bin/sh\nexit 1\n")
+    bare.chmod(0o755)
+    out = subprocess.run(["bash", os.path.join(LAUNCH, "submit.sh"), "--partition", "gpu"],
+                         cwd=ROOT, env=dict(env, PYTHON=str(bare)), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+    assert "no python with the project's packages" in out.stderr and "PYTHON=" in out.stderr
+    assert log.read_text() == ""
+
+
 def test_the_fake_sbatch_refuses_a_job_without_resources(cluster):
     """The acceptance of the resource lines is real: the same fake that takes submit.sh's jobs
     refuses one that asks for no GPUs, cores or memory."""

@@ -57,6 +57,10 @@ def main(cfg: DictConfig) -> None:
     # parameter group: before the imports below.
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    # (torch's deprecation of the checkpoint API megatron-core calls on resume, attributed to
+    # megatron-core's module: not the user's to act on)
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            module=r"megatron\.core\.dist_checkpointing")
     from megatron_gspo.trainer import faults, loop as trainer
     from megatron_gspo.data.prompts import PromptDataError
     from megatron_gspo.data.tokenizer import TokenizerError

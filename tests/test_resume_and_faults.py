@@ -124,8 +124,28 @@ def test_sigterm_checkpoints_and_exits_for_requeue(uninterrupted, tmp_path):
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     code, out, err = finish(resumed)
     assert code == 0 and err == "", err[-3000:]  # a resume's console is as clean as a start's
-    assert f"(step {stopped_at}," in out
+    assert f"(step {stopped_at}," in out and "differs from the checkpoint's" not in out
     assert comparable(read_metrics(tmp_path)) == comparable(uninterrupted)
+    # the same directory with a model of another shape: one line, nothing loaded or written
+    other = merge(RESUME_CFG, {"model": {"num_experts": 8}, "trainer": {"steps": 8}})
+    code, out, err = finish(launch(other, tmp_path))
+    assert code == 2 and err.splitlines() == [
+        f"config error: model.num_experts=8: the checkpoint {tmp_path}/checkpoints/step_000006 "
+        "holds a model with model.num_experts=4; fix: resume with model.num_experts=4, or start "
+        "another run directory (hydra.run.dir=...)"], err[-3000:]
+    assert latest_step(tmp_path) == 6
+
+
+def test_a_resume_names_what_differs_from_the_checkpoints_configuration():
+    from megatron_gspo.trainer.checkpoints import config_changes
+
+    saved = {"algo": {"name": "gspo", "clip_low": 3e-4}, "trainer": {"steps": 4, "resume": "auto"},
+             "model": {"stop_ids": [1, 2]}, "run_dir": "/a"}
+    now = {"algo": {"name": "grpo", "clip_low": 3e-4}, "trainer": {"steps": 8, "resume": "x"},
+           "model": {"stop_ids": (1, 2)}, "run_dir": "/b", "seed": 5}
+    assert config_changes(saved, now) == [("algo.name", "gspo", "grpo"),
+                                          ("trainer.steps", 4, 8), ("seed", None, 5)]
+    assert config_changes(saved, saved) == []
 
 
 def test_nan_update_is_skipped_with_state_unchanged(tmp_path):

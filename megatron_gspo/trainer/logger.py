@@ -23,6 +23,9 @@ def _fmt_time(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
+LOG_LINES = 20  # progress lines of a run in a log (not a terminal)
+
+
 class RunLogger:
     """All ranks construct it; only ``enabled`` (rank 0) writes."""
 
@@ -34,6 +37,7 @@ class RunLogger:
         self._t0: Optional[float] = None
         self._first_step = 0
         self.tty = sys.stdout.isatty()
+        self._open = False  # a progress line drawn on the terminal without its newline
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
             if tensorboard:
@@ -77,27 +81,40 @@ class RunLogger:
         if self.enabled and self.writer is not None:
             self.writer.add_scalar(tag, float(value), step)
 
-    def bar(self, step: int, summary: str) -> None:
-        """One progress line: step, a bar, the key numbers, elapsed time and ETA."""
+    def bar(self, step: int, summary: str, keep: bool = False) -> None:
+        """The progress line: step, a bar, the key numbers, elapsed time and ETA. A terminal
+        redraws it in place; a log (not a terminal) gets the first and last steps' and every
+        ``total / LOG_LINES``-th, the metrics of every step being in ``metrics.jsonl``. Both
+        keep a step's line where ``keep`` (an evaluation)."""
         if not (self.enabled and self.progress):
             return
         now = time.perf_counter()
         if self._t0 is None:
             self._t0, self._first_step = now, step - 1
         done = step - self._first_step
-        rate = (now - self._t0) / max(done, 1)
-        eta = rate * (self.total - step)
-        frac = step / max(self.total, 1)
-        filled = int(20 * frac)
+        rate = (now - self._t0) / max(done - 1, 1)  # (the clock starts at the first step's end)
+        eta = _fmt_time(rate * (self.total - step)) if done > 1 else "--:--"
+        filled = int(20 * step / max(self.total, 1))
         line = (f"[{'#' * filled}{'.' * (20 - filled)}] {step}/{self.total} {summary} "
-                f"| {_fmt_time(now - self._t0)} elapsed, ETA {_fmt_time(eta)}")
-        print(line, flush=True)
+                f"| {_fmt_time(now - self._t0)} elapsed, ETA {eta}")
+        if self.tty:
+            self._open = step < self.total and not keep
+            print(f"\r{line}\x1b[K", end="" if self._open else "\n", flush=True)
+        elif (keep or done == 1 or step >= self.total
+              or step % max(1, self.total // LOG_LINES) == 0):
+            print(line, flush=True)
 
     def say(self, text: str) -> None:
         if self.enabled:
+            if self._open:  # below the progress line, which stays as it was last drawn
+                print(flush=True)
+                self._open = False
             print(text, flush=True)
 
     def close(self) -> None:
+        if self._open:  # a run that ended before its last step: the line keeps its newline
+            print(flush=True)
+            self._open = False
         if self.writer is not None:
             self.writer.close()
             self.writer = None

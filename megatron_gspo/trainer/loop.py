@@ -41,7 +41,7 @@ def train(job: JobConfig) -> dict:
             if job.trainer.eval_interval and step % job.trainer.eval_interval == 0:
                 metrics["eval/accuracy"] = evaluate(run)
             run.logger.log(step, metrics)  # before the checkpoint: a resume never lacks this row
-            run.logger.bar(step, progress_line(metrics))
+            run.logger.bar(step, progress_line(metrics), keep="eval/accuracy" in metrics)
             stop = run.signals.agreed(run.ctx.device)
             if stop or step == job.trainer.steps or (
                     job.trainer.save_interval and step % job.trainer.save_interval == 0):

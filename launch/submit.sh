@@ -130,15 +130,18 @@ PLAN=(--nodes "$NODES" --gpus-per-node "$GPUS" --sglang-nodes "$SGLANG_NODES"
 # The plan runs here, on the login node: $PYTHON, else the active environment's python, else
 # the checkout's .venv (make install), whichever has the project's packages.
 usable() { "$1" -c "import torch, hydra, megatron.core" >/dev/null 2>&1; }
-PY="${PYTHON:-}"
-if [[ -z "$PY" ]]; then
+if [[ -n "${PYTHON:-}" ]]; then
+  PY="$PYTHON"
+  if [[ "$PY" == */* && "$PY" != /* ]]; then PY="$PWD/$PY"; fi  # (the plan runs from the checkout)
+  usable "$PY" || die "PYTHON=$PYTHON cannot import the project's packages (torch, hydra," \
+    "megatron-core); fix: name the python of their environment"
+else
+  PY=""
   for candidate in python "$HERE/../.venv/bin/python"; do
     if usable "$candidate"; then PY="$candidate"; break; fi
   done
-fi
-if [[ -z "$PY" ]] || ! usable "$PY"; then
-  die "no python with the project's packages (torch, hydra, megatron-core) to check the plan:" \
-    "activate their environment (make install makes .venv) or set PYTHON=/path/to/python"
+  [[ -n "$PY" ]] || die "no python with the project's packages (torch, hydra, megatron-core) to" \
+    "check the plan: activate their environment (make install makes .venv) or set PYTHON=..."
 fi
 (cd "$HERE/.." && "$PY" -m tools.plan_layout "${PLAN[@]}" -- "$@") \
   || die "the job does not fit or does not validate (the line above says why)"

@@ -280,14 +280,28 @@ REFUSED_OVERRIDES = [  # (command line, the one line), each refused before Hydra
     (["trainer.steps=[1"], "trainer.steps=[1: Hydra cannot parse this override (no viable "
                            "alternative at input '[1'); fix: see "
                            "https://hydra.cc/docs/advanced/override_grammar/basic/"),
-    (["trainer.lr=1e-5,1e-6"], "trainer.lr=1e-5,1e-6: several values without --multirun; "
-                               "fix: add --multirun (-m) to sweep them, or write a list as "
-                               "trainer.lr=[...]"),
+    (["trainer.resume=/a,b"], "trainer.resume=/a,b: several values without --multirun; fix: "
+                              "add --multirun (-m) to sweep them, or quote one string "
+                              "(trainer.resume='...') or write a list ([...])"),
+    (["trainer.steps=1", "trainer.steps=x"],  # the override that failed, not the first
+     "trainer.steps=x: Value 'x' of type 'str' could not be converted to Integer; fix: "
+     "python -m megatron_gspo --cfg job shows every key and its value"),
+    (["experiment=paper_tiny"],  # Hydra's own advice kept
+     "experiment=paper_tiny: Could not override 'experiment'. No match in the defaults list.; "
+     "fix: To append to your default list use +experiment=paper_tiny"),
+    (["-m", "seed=range(1,5,0)"], "seed=range(1,5,0): this sweep has no values Hydra can list "
+                                  "(range() arg 3 must not be zero); fix: see "
+                                  "https://hydra.cc/docs/advanced/override_grammar/extended/"),
+    (["-m", "seed=range(0,300)", "trainer.lr=1e-5,1e-6,abc"],  # a key's values, set as Hydra does
+     "trainer.lr=abc: Value 'abc' of type 'str' could not be converted to Float; fix: "
+     "python -m megatron_gspo --cfg job shows every key and its value"),
     (["--multirun", "algo=gspo,grpo", "model.num_experts=4,x"],  # each value of a sweep
      "model.num_experts=x: Value 'x' of type 'str' could not be converted to Integer; fix: "
      "python -m megatron_gspo --cfg job shows every key and its value"),
     (["-m", "algo=gspo", "--cfg", "job"],
      "--multirun and --cfg: Hydra takes one of these at a time; fix: drop all but one"),
+    (["algo=gspo,grpo", "hydra.mode=MULTIRUN", "--cfg", "job"],
+     "hydra.mode=MULTIRUN and --cfg: Hydra takes one of these at a time; fix: drop all but one"),
 ]
 
 
@@ -310,6 +324,8 @@ def test_the_overrides_check_passes_what_hydra_composes():
     check_overrides(["+experiment=paper_tiny", "hydra.run.dir=runs/x", "data=files",
                      "data.files=[a.jsonl]"])
     check_overrides(["--cfg", "job", "model.num_experts=4"])
+    check_overrides(["algo=gspo,grpo", "seed=range(0,3)", "hydra.mode=MULTIRUN"])  # (Hydra 1.2+)
+    check_overrides(["-m", "algo=glob(*)", "++trainer.steps=3,4", "+trainer.extra=1,2"])
     check_overrides(["--config-name", "other", "anything.goes=1"])  # (Hydra's to report)
 
 

@@ -137,14 +137,14 @@ def test_sigterm_checkpoints_and_exits_for_requeue(uninterrupted, tmp_path):
 
 
 def test_a_resume_names_what_differs_from_the_checkpoints_configuration():
-    from megatron_gspo.trainer.checkpoints import config_changes
+    from megatron_gspo.trainer.resume_point import config_changes
 
     saved = {"algo": {"name": "gspo", "clip_low": 3e-4}, "trainer": {"steps": 4, "resume": "auto"},
              "model": {"stop_ids": [1, 2]}, "run_dir": "/a"}
     now = {"algo": {"name": "grpo", "clip_low": 3e-4}, "trainer": {"steps": 8, "resume": "x"},
            "model": {"stop_ids": (1, 2)}, "run_dir": "/b", "seed": 5}
-    assert config_changes(saved, now) == [("algo.name", "gspo", "grpo"),
-                                          ("trainer.steps", 4, 8), ("seed", None, 5)]
+    assert config_changes(saved, now) == [("algo.name", "gspo", "grpo"),  # (seed: added since)
+                                          ("trainer.steps", 4, 8)]
     assert config_changes(saved, saved) == []
 
 

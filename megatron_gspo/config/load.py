@@ -7,10 +7,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from megatron_gspo.config import checks
 from megatron_gspo.config.algo import AlgoConfig, ReplayConfig
@@ -93,7 +95,6 @@ def compose(overrides: list) -> DictConfig:
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
     register_configs()
     held = GlobalHydra.instance().hydra  # a Hydra already running (an app, a caller's compose)
@@ -110,7 +111,8 @@ def compose(overrides: list) -> DictConfig:
 
 def check_overrides(argv: list) -> None:
     """The command line's overrides composed once before Hydra runs, so that one it refuses is
-    one line (``compose``). A sweep (``--multirun``) checks each of its values; Hydra's own
+    one line (``compose``). Each value of a sweep (``--multirun``) is checked: a config group's
+    by a composition, a key's by setting it on the composed config as Hydra does. Hydra's own
     options (``hydra.*``, ``--config-name`` and the like) are left to Hydra."""
     from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -118,7 +120,10 @@ def check_overrides(argv: list) -> None:
     from hydra.errors import HydraException
 
     args, _ = get_args_parser().parse_known_args(argv)
-    modes = [m for m, on in (("--run", args.run), ("--multirun", args.multirun),
+    multirun = args.multirun or any(a.replace(" ", "").lower() == "hydra.mode=multirun"
+                                    for a in args.overrides)
+    modes = [m for m, on in (("--run", args.run),
+                             ("--multirun" if args.multirun else "hydra.mode=MULTIRUN", multirun),
                              ("--cfg", args.cfg), ("--info", args.info),
                              ("--shell-completion", args.shell_completion)) if on]
     if len(modes) > 1:
@@ -127,10 +132,10 @@ def check_overrides(argv: list) -> None:
     if any((args.help, args.hydra_help, args.info, args.shell_completion, args.config_path,
             args.config_name, args.config_dir, args.experimental_rerun)):
         return
-    lines = [a for a in args.overrides
-             if not a.lstrip("+~").startswith(("hydra.", "hydra/", "hydra="))]
     parsed = []
-    for line in lines:
+    for line in args.overrides:
+        if line.lstrip("+~").startswith(("hydra.", "hydra/", "hydra=")):
+            continue
         try:
             parsed.extend(OverridesParser.create().parse_overrides([line]))
         except HydraException as e:
@@ -138,30 +143,47 @@ def check_overrides(argv: list) -> None:
                               "fix: see https://hydra.cc/docs/advanced/override_grammar/basic/"
                               ) from None
     base = [o.input_line for o in parsed if not o.is_sweep_override()]
-    trials = [base]
-    for o in parsed:
-        if not o.is_sweep_override():
-            continue
-        if not args.multirun:
+    cfg = compose(base)
+    for o in (o for o in parsed if o.is_sweep_override()):
+        if not multirun:
             raise ConfigError(f"{o.input_line}: several values without --multirun; fix: add "
-                              "--multirun (-m) to sweep them, or write a list as "
-                              f"{o.key_or_group}=[...]")
-        if o.value_type in (ValueType.SIMPLE_CHOICE_SWEEP, ValueType.CHOICE_SWEEP,
-                            ValueType.RANGE_SWEEP):
-            trials += [base + [f"{o.get_key_element()}={v}"] for v in o.sweep_string_iterator()]
-    for trial in trials:
-        compose(trial)
+                              f"--multirun (-m) to sweep them, or quote one string "
+                              f"({o.get_key_element()}='...') or write a list ([...])")
+        if o.value_type not in (ValueType.SIMPLE_CHOICE_SWEEP, ValueType.CHOICE_SWEEP,
+                                ValueType.RANGE_SWEEP):
+            continue  # (glob and interval sweeps: Hydra expands them against what exists)
+        try:
+            values = list(zip(o.sweep_string_iterator(), o.sweep_iterator()))
+        except Exception as e:  # (e.g. a range of step 0)
+            raise ConfigError(f"{o.input_line}: this sweep has no values Hydra can list "
+                              f"({first_line(e)}); fix: see "
+                              "https://hydra.cc/docs/advanced/override_grammar/extended/"
+                              ) from None
+        group = os.path.isdir(os.path.join(conf_dir(), o.key_or_group.split("@")[0]))
+        for text, value in values:
+            line = f"{o.get_key_element()}={text}"
+            if group or o.get_key_element() != o.key_or_group:  # (a group, +, ++ or ~)
+                compose(base + [line])
+                continue
+            try:  # as Hydra applies a plain override to the composed config
+                OmegaConf.update(cfg.copy(), o.key_or_group, value, merge=True)
+            except OmegaConfBaseException as e:
+                raise ConfigError(_override_error(e, [line], key_error=e)) from None
 
 
-def _override_error(e: Exception, overrides: list) -> str:
-    """One line for Hydra's refusal ``e`` of one of ``overrides``: the override, OmegaConf's
-    reason (the exception's cause) and a fix (the nearest keys where a key is unknown)."""
+def _override_error(e: Exception, overrides: list, key_error=None) -> str:
+    """One line for Hydra's refusal ``e`` of one of ``overrides``: the override, the reason
+    (OmegaConf's, the exception's cause, or Hydra's own first line) and a fix (the nearest keys
+    where a key is unknown; Hydra's advice where it gives some)."""
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-    cause = e.__cause__ if e.__cause__ is not None else e
+    cause = key_error or (e.__cause__ if e.__cause__ is not None else e)
     key = getattr(cause, "full_key", None) or ""
-    named = [o for o in overrides if o.lstrip("+~").partition("=")[0] == key]
-    where = named[0] if named else (key or "an override")
+    text = str(e)
+    merging = re.search(r"Error merging override (\S+)", text)
+    named = [o for o in overrides if key and o.lstrip("+~").partition("=")[0] == key] or [
+        o for o in overrides if f"'{o.lstrip('+~').partition('=')[0]}'" in text]
+    where = merging.group(1) if merging else (named[-1] if named else key or "an override")
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and key:
         parent, _, name = key.rpartition(".")
         known = _keys(parent)
@@ -169,6 +191,9 @@ def _override_error(e: Exception, overrides: list) -> str:
         fix = (f"did you mean {', '.join(f'{parent}.{k}' if parent else k for k in near)}?"
                if near else f"{parent or 'the config'} has {', '.join(sorted(known))}")
         return f"{where}: no such key; fix: {fix}"
+    lines = [x.strip() for x in text.strip().splitlines() if x.strip()]
+    if not isinstance(cause, OmegaConfBaseException) and len(lines) > 1:  # Hydra's, advised
+        return f"{where}: {lines[0]}; fix: {' '.join(lines[1:])}"
     return (f"{where}: {first_line(cause)}; fix: python -m megatron_gspo --cfg job shows every "
             "key and its value")
 

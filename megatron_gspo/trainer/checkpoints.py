@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 
 from megatron_gspo.checkpoint.export import export_hf_dir, hf_config_at
-from megatron_gspo.checkpoint.manager import STATE, CheckpointError
 from megatron_gspo.checkpoint.weights import load_weights, save_weights
-from megatron_gspo.config.errors import ConfigError
 from megatron_gspo.config.load import job_to_dict
 from megatron_gspo.trainer.faults import REQUEUE_MARKER, StopRequested
 from megatron_gspo.trainer.run import Run
@@ -38,25 +35,11 @@ def _kill() -> None:
 
 
 def resume(run: Run) -> bool:
-    """Load the newest complete checkpoint (``trainer.resume``); False for a fresh run."""
-    mode = run.job.trainer.resume
-    if mode == "never":
+    """Load the checkpoint ``setup`` chose (``run.resume_from``); False for a fresh run."""
+    if run.resume_from is None:
         return False
-    candidates = run.ckpt.candidates() if mode == "auto" else [os.path.abspath(mode)]
-    if not candidates:
-        if mode != "auto":
-            raise CheckpointError(f"trainer.resume={mode!r}: no such checkpoint")
-        return False
+    path, changes = run.resume_from
     policy = run.policy
-    path = candidates[0]
-    saved = saved_config(path)
-    changes = config_changes(saved, job_to_dict(run.job)) if saved else []
-    mismatch = next((c for c in changes if c[0] in SHAPE_KEYS), None)
-    if mismatch:
-        key, was, now = mismatch
-        raise ConfigError(f"{key}={now!r}: the checkpoint {path} holds a model with {key}={was!r}; "
-                          f"fix: resume with {key}={was!r}, or start another run directory "
-                          "(hydra.run.dir=...)")
     build_rl_optimizer(run.job, policy, run.ctx)
     state = run.ckpt.load(path, model=policy.gpt, optimizer=policy.optimizer)
     policy.scheduler.load_state_dict(state["scheduler"])
@@ -77,36 +60,6 @@ def resume(run: Run) -> bool:
         more = f" and {len(changes) - 6} more" if len(changes) > 6 else ""
         run.logger.say(f"the configuration differs from the checkpoint's: {shown}{more}")
     return True
-
-
-# The model's keys that shape its weights: a checkpoint loads only into the same values.
-SHAPE_KEYS = {f"model.{k}" for k in (
-    "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-    "head_dim", "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts", "first_k_dense",
-    "shared_expert_ffn_hidden_size", "router_expert_bias")}
-
-
-def saved_config(path: str) -> dict:
-    """The resolved configuration a checkpoint was saved with ({} where it has none)."""
-    with open(os.path.join(path, STATE)) as f:
-        return json.load(f).get("config") or {}
-
-
-def config_changes(saved: dict, now: dict) -> list:
-    """``(key, saved value, value now)`` for every dotted key whose value differs (the run's
-    directory and its resume setting aside), in the order of ``now``."""
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            if isinstance(v, dict):
-                out.update(flat(v, f"{prefix}{k}."))
-            else:
-                out[f"{prefix}{k}"] = v
-        return out
-
-    was, now = flat(saved), flat(json.loads(json.dumps(now)))  # (tuples as JSON keeps them)
-    return [(k, was.get(k), v) for k, v in now.items()
-            if k not in ("run_dir", "trainer.resume") and was.get(k) != v]
 
 
 def export_policy(run: Run) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from typing import Optional
@@ -97,8 +98,9 @@ class RunLogger:
         filled = int(20 * step / max(self.total, 1))
         line = (f"[{'#' * filled}{'.' * (20 - filled)}] {step}/{self.total} {summary} "
                 f"| {_fmt_time(now - self._t0)} elapsed, ETA {eta}")
-        if self.tty:
+        if self.tty:  # (cut to the terminal's width: a wrapped line would not redraw)
             self._open = step < self.total and not keep
+            line = line if not self._open else line[:shutil.get_terminal_size().columns - 1]
             print(f"\r{line}\x1b[K", end="" if self._open else "\n", flush=True)
         elif (keep or done == 1 or step >= self.total
               or step % max(1, self.total // LOG_LINES) == 0):

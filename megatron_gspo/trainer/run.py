@@ -83,6 +83,7 @@ class Run:
     logger: RunLogger
     ckpt: CheckpointManager
     signals: StopSignals
+    resume_from: Optional[tuple] = None  # (checkpoint path, config changes): resume_point
     drift: Optional[DriftProbe] = None
     sync_group: Optional[torch.distributed.ProcessGroup] = None  # weight_sync=distributed
     producer: Optional[Producer] = None  # rollout.mode one_step_off / async

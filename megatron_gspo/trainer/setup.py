@@ -24,6 +24,7 @@ from megatron_gspo.trainer.engine import connect_servers, make_engine
 from megatron_gspo.trainer.faults import NonFiniteGuard, StopSignals
 from megatron_gspo.trainer.logger import RunLogger
 from megatron_gspo.trainer.optim import OptimConfig, build_optimizer, build_scheduler, wrap_ddp
+from megatron_gspo.trainer.resume_point import resume_point
 from megatron_gspo.trainer.run import Policy, Prompts, Run
 from moe.replay import RoutingReplay
 
@@ -33,6 +34,9 @@ def setup(job: JobConfig) -> Run:
     ctx = init_parallel(job.parallel, job.model, seed=job.seed)
     job.check_layout(ctx.dp)
     run_dir = os.path.abspath(job.run_dir)
+    ckpt = CheckpointManager(os.path.join(run_dir, "checkpoints"), ctx,
+                             keep=job.trainer.keep_checkpoints, fmt=job.trainer.checkpoint_format)
+    resume_from = resume_point(job, ckpt)  # (a model of another shape: before building one)
     m = job.model
     routes_needed = m.is_moe and (job.replay.mode != "none" or job.logging.drift)
     gpt = build_model(m, ctx, kernels=job.backend, moe_enable_routing_replay=routes_needed)
@@ -44,10 +48,8 @@ def setup(job: JobConfig) -> Run:
                        progress=job.logging.progress, total_steps=job.trainer.steps)
     if job.rollout.engine == "sglang":
         connect_servers(job, engine, ctx, logger.say)
-    ckpt = CheckpointManager(os.path.join(run_dir, "checkpoints"), ctx,
-                             keep=job.trainer.keep_checkpoints, fmt=job.trainer.checkpoint_format)
     run = Run(job=job, ctx=ctx, policy=policy, prompts=prompts, engine=engine, logger=logger,
-              ckpt=ckpt, signals=StopSignals().install(),
+              ckpt=ckpt, resume_from=resume_from, signals=StopSignals().install(),
               producer=make_producer(job, ctx, engine, prompts))
     if routes_needed and job.logging.drift:
         run.drift = DriftProbe(job, ctx, run_dir, logger.writer, model=policy.ddp,

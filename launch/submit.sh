@@ -129,7 +129,10 @@ PLAN=(--nodes "$NODES" --gpus-per-node "$GPUS" --sglang-nodes "$SGLANG_NODES"
 [[ "$SGLANG" == none ]] || PLAN+=(--sglang-tp "${SGLANG_TP:-$GPUS}" --sglang-ep "$SGLANG_EP")
 # The plan runs here, on the login node: $PYTHON, else the active environment's python, else
 # the checkout's .venv (make install), whichever has the project's packages.
-usable() { "$1" -c "import torch, hydra, megatron.core" >/dev/null 2>&1; }
+usable() {  # (found, not imported: importing torch takes seconds)
+  "$1" -c "import importlib.util as u, sys
+sys.exit(not all(u.find_spec(m) for m in ('torch', 'hydra', 'megatron.core')))" >/dev/null 2>&1
+}
 if [[ -n "${PYTHON:-}" ]]; then
   PY="$PYTHON"
   if [[ "$PY" == */* && "$PY" != /* ]]; then PY="$PWD/$PY"; fi  # (the plan runs from the checkout)

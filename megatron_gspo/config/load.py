@@ -114,11 +114,14 @@ def check_overrides(argv: list) -> None:
     one line (``compose``). Each value of a sweep (``--multirun``) is checked: a config group's
     by a composition, a key's by setting it on the composed config as Hydra does. Hydra's own
     options (``hydra.*``, ``--config-name`` and the like) are left to Hydra."""
-    from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ValueType
     from hydra.errors import HydraException
 
+    try:  # (Hydra's own reading of its command line; another Hydra: left to Hydra)
+        from hydra._internal.utils import get_args_parser
+    except ImportError:
+        return
     args, _ = get_args_parser().parse_known_args(argv)
     multirun = args.multirun or any(a.replace(" ", "").lower() == "hydra.mode=multirun"
                                     for a in args.overrides)

@@ -171,16 +171,16 @@ def check_overrides(argv: list) -> None:
             try:  # as Hydra applies a plain override to the composed config
                 OmegaConf.update(cfg.copy(), o.key_or_group, value, merge=True)
             except OmegaConfBaseException as e:
-                raise ConfigError(_override_error(e, [line], key_error=e)) from None
+                raise ConfigError(_override_error(e, [line])) from None
 
 
-def _override_error(e: Exception, overrides: list, key_error=None) -> str:
+def _override_error(e: Exception, overrides: list) -> str:
     """One line for Hydra's refusal ``e`` of one of ``overrides``: the override, the reason
     (OmegaConf's, the exception's cause, or Hydra's own first line) and a fix (the nearest keys
     where a key is unknown; Hydra's advice where it gives some)."""
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-    cause = key_error or (e.__cause__ if e.__cause__ is not None else e)
+    cause = e.__cause__ if e.__cause__ is not None else e
     key = getattr(cause, "full_key", None) or ""
     text = str(e)
     merging = re.search(r"Error merging override (\S+)", text)

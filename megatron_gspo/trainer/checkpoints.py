@@ -38,7 +38,7 @@ def resume(run: Run) -> bool:
     """Load the checkpoint ``setup`` chose (``run.resume_from``); False for a fresh run."""
     if run.resume_from is None:
         return False
-    path, changes = run.resume_from
+    path, changes = run.resume_from.path, run.resume_from.changes
     policy = run.policy
     build_rl_optimizer(run.job, policy, run.ctx)
     state = run.ckpt.load(path, model=policy.gpt, optimizer=policy.optimizer)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 from megatron_gspo.checkpoint.manager import STATE, CheckpointError, CheckpointManager
@@ -14,9 +15,18 @@ from megatron_gspo.config.errors import ConfigError
 from megatron_gspo.config.load import job_to_dict
 
 
-def resume_point(job: JobConfig, ckpt: CheckpointManager) -> Optional[tuple]:
-    """``(checkpoint path, config changes)`` to resume from, None for a fresh run (every rank:
-    the candidates are rank 0's, broadcast)."""
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run resumes from and ``(key, saved value, value now)`` of every key of
+    the job's configuration that differs from the checkpoint's."""
+
+    path: str
+    changes: list
+
+
+def resume_point(job: JobConfig, ckpt: CheckpointManager) -> Optional[ResumePoint]:
+    """The checkpoint to resume from, None for a fresh run (every rank: the candidates are
+    rank 0's, broadcast)."""
     mode = job.trainer.resume
     if mode == "never":
         return None
@@ -29,7 +39,7 @@ def resume_point(job: JobConfig, ckpt: CheckpointManager) -> Optional[tuple]:
     saved = saved_config(path)
     changes = config_changes(saved, job_to_dict(job)) if saved else []
     _check_model_shape(job, path, saved, [c for c in changes if c[0] in SHAPE_KEYS])
-    return path, changes
+    return ResumePoint(path, changes)
 
 
 # The model's keys that shape its weights: a checkpoint loads only into the same values.

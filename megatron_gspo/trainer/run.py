@@ -24,6 +24,7 @@ from megatron_gspo.rollout.local_engine import LocalEngine
 from megatron_gspo.rollout.producer import Producer
 from megatron_gspo.rollout.sglang.engine import SGLangEngine
 from megatron_gspo.trainer.drift_probe import DriftProbe
+from megatron_gspo.trainer.resume_point import ResumePoint
 from megatron_gspo.trainer.faults import NonFiniteGuard, StopSignals
 from megatron_gspo.trainer.logger import RunLogger
 from moe.replay import RoutingReplay
@@ -83,7 +84,7 @@ class Run:
     logger: RunLogger
     ckpt: CheckpointManager
     signals: StopSignals
-    resume_from: Optional[tuple] = None  # (checkpoint path, config changes): resume_point
+    resume_from: Optional[ResumePoint] = None  # setup's resume_point
     drift: Optional[DriftProbe] = None
     sync_group: Optional[torch.distributed.ProcessGroup] = None  # weight_sync=distributed
     producer: Optional[Producer] = None  # rollout.mode one_step_off / async

@@ -27,7 +27,9 @@ async over sync on the heavy-tail workload.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -102,6 +104,7 @@ def main() -> None:
     tokens = max(2, round(args.gen_s / args.token_latency_s))
     args.max_new_tokens = tokens * args.tail_factor
     hf_dir = make_hf_checkpoint(tempfile.mkdtemp(prefix="async_bench_"))
+    atexit.register(shutil.rmtree, hf_dir, True)
     print(f"{args.steps} steps, training {args.train_s:g} s per step (a sleep); batches of "
           f"{args.prompts} x {args.group} responses of {tokens} tokens at "
           f"{1e3 * args.token_latency_s:g} ms per decoding step ({args.gen_s:g} s per batch); "

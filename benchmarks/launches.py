@@ -127,9 +127,9 @@ def build(args):
     ctx = init_parallel(ParallelConfig(device="cpu"), m, seed=0)
     gpt = build_model(m, ctx, backend=GPU_ON_HOST)
     load_hf_weights(gpt, SeededTensors(m, 1), m, ctx)
-    out = tempfile.mkdtemp(prefix="launches_hf_")
-    export_hf(gpt, m, ctx, out)
-    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
+    with tempfile.TemporaryDirectory(prefix="launches_hf_") as out:  # (loaded, then removed)
+        export_hf(gpt, m, ctx, out)
+        hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
     return m, ctx, gpt.eval(), hf
 
 

@@ -13,7 +13,9 @@ warm-up) and prints trained (real, not padding) tokens per second of the update 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -52,6 +54,13 @@ def long_tailed_batch(vocab: int, seed: int = 0):
     return samples, (torch.rand(len(samples), generator=g) < 0.5).float()
 
 
+def scratch_dir(prefix: str) -> str:
+    """A run directory removed when the benchmark exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def measure(packing: bool, args) -> dict:
     job = job_from_dict({
         "rollout": {"prompts_per_step": PROMPTS, "group_size": GROUP, "max_new_tokens": CAP},
@@ -62,7 +71,7 @@ def measure(packing: bool, args) -> dict:
                     "save_interval": 0},
         "data": {"eval_size": 0},
         "logging": {"drift": False, "tensorboard": False, "progress": False},
-        "run_dir": tempfile.mkdtemp(prefix="bench_packing_"), "seed": 1})
+        "run_dir": scratch_dir("bench_packing_"), "seed": 1})
     run = setup(job)
     try:
         init_weights(run.policy.gpt, job, run.ctx, "")

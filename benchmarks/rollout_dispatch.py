@@ -12,7 +12,9 @@ batching does (coarser: a request joins at the next batch, not the next decoding
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -38,6 +40,7 @@ def main() -> None:
     from tests.sglang_standin import start
 
     hf_dir = make_hf_checkpoint(tempfile.mkdtemp(prefix="hf_tiny_"))
+    atexit.register(shutil.rmtree, hf_dir, True)
     url, proc = start(hf_dir, latency_s=args.latency_ms / 1000)
     try:
         prompts = [[5 + i % 50, 6 + i % 40, 7] for i in range(args.prompts)]

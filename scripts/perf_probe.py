@@ -125,9 +125,9 @@ def hf_model(gpt, m, ctx, dtype):
 
     from megatron_gspo.models.hf_mapping import export_hf
 
-    out = tempfile.mkdtemp(prefix="perf_probe_hf_")
-    export_hf(gpt, m, ctx, out)
-    return AutoModelForCausalLM.from_pretrained(out, dtype=dtype).to(ctx.device).eval()
+    with tempfile.TemporaryDirectory(prefix="perf_probe_hf_") as out:  # (loaded, then removed)
+        export_hf(gpt, m, ctx, out)
+        return AutoModelForCausalLM.from_pretrained(out, dtype=dtype).to(ctx.device).eval()
 
 
 def rollout_rates(gpt, hf, ctx, args, prompts, paths: Paths) -> dict:

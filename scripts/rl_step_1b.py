@@ -11,8 +11,10 @@ tokens, plus causal attention).
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -49,6 +51,8 @@ def main() -> None:
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         sys.exit("rl_step_1b: no CUDA device")
+    scratch = tempfile.mkdtemp(prefix="rl_step_1b_")  # the run directory, removed at exit
+    atexit.register(shutil.rmtree, scratch, True)
     m = MODEL_1B if args.model == "1b" else ModelConfig(vocab_size=128)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     job = job_from_dict({
@@ -60,7 +64,7 @@ def main() -> None:
         "trainer": {"steps": 1, "sft_steps": 0, "micro_batch_size": args.micro_batch,
                     "lr": 1e-6, "save_interval": 0},
         "logging": {"drift": False, "tensorboard": False, "progress": False},
-        "run_dir": tempfile.mkdtemp(prefix="rl_step_1b_"), "seed": 1})
+        "run_dir": scratch, "seed": 1})
     run = setup(job)
     init_weights(run.policy.gpt, job, run.ctx, "")
     build_rl_optimizer(job, run.policy, run.ctx)

@@ -5,16 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 
 from tests.sglang_workers import SGLANG_JOB
 from tests.trainer_workers import merge, read_metrics
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def async_job(hf_dir: str, url: str, run_dir: str, **over) -> dict:
@@ -25,7 +18,7 @@ def async_job(hf_dir: str, url: str, run_dir: str, **over) -> dict:
     base = merge(SGLANG_JOB, {
         "rollout": {"sglang_urls": [url], "sglang_model_path": hf_dir, "mode": "async",
                     "max_staleness": 1, "weight_sync": "distributed",
-                    "weight_sync_port": free_port(), "sglang_gpus_per_server": 1,
+                    "weight_sync_port": 0, "sglang_gpus_per_server": 1,
                     "max_new_tokens": 8},
         "algo": {"rollout_correction": "decoupled", "rollout_correction_low": 1e-6,
                  "rollout_correction_high": 1e6, "rollout_correction_cap": 1e6},

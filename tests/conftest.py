@@ -23,6 +23,35 @@ def load_hf_tensors(path) -> dict:
     return {name: ckpt.get(name) for name in ckpt.weight_map}
 
 
+def pytest_sessionstart(session):
+    """Every temporary file of the session (this process's, its workers' and subprocesses':
+    ``tempfile`` and ``TMPDIR``, torchrun's too) goes under one directory, removed at the end.
+    Compiled kernels keep their usual cache (the next session finds them) and pytest's own
+    ``tmp_path`` directories their usual place (the last three sessions' are kept)."""
+    import getpass
+    import multiprocessing.util
+    import tempfile
+
+    multiprocessing.util.get_temp_dir()  # (this process's own: multiprocessing removes it at exit)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        tempfile.gettempdir(), "torchinductor_" + getpass.getuser()))
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    scratch = tempfile.mkdtemp(prefix="megatron-gspo-tests-")
+    session.config.stash[SCRATCH] = scratch
+    os.environ["TMPDIR"] = tempfile.tempdir = scratch
+
+
+def pytest_sessionfinish(session):
+    import shutil
+
+    scratch = session.config.stash.get(SCRATCH, None)
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+SCRATCH = pytest.StashKey[str]()
+
+
 @pytest.fixture
 def dist_run():
     """Run a function on N real gloo ranks: ``dist_run(fn, world_size, *args)``."""

@@ -159,14 +159,9 @@ def trainer_command(hf_dir: str, url: str, run_dir: str, *extra: str) -> list:
     from tests.sglang_workers import SGLANG_JOB
     from tests.trainer_workers import merge, to_overrides
 
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cfg = merge(SGLANG_JOB, {
         "rollout": {"sglang_urls": [url], "sglang_model_path": hf_dir, "mode": "async",
-                    "max_staleness": 1, "weight_sync": "distributed", "weight_sync_port": port,
+                    "max_staleness": 1, "weight_sync": "distributed", "weight_sync_port": 0,
                     "sglang_gpus_per_server": 1, "sglang_generate_timeout_s": 1.0,
                     "sglang_control_timeout_s": 5.0, "sglang_update_timeout_s": 10.0},
         "algo": {"rollout_correction": "decoupled"},

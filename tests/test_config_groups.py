@@ -170,6 +170,7 @@ INVALID = [  # (overrides, key the message must name)
     (["rollout.top_p=1.5"], "rollout.top_p"),
     (["rollout=sglang"], "rollout.sglang_urls"),  # no servers
     (["rollout.weight_sync=nfs"], "rollout.weight_sync"),
+    (["rollout.weight_sync_port=70000"], "rollout.weight_sync_port"),
     (["rollout.tensor_sync_format=npz"], "rollout.tensor_sync_format"),
     (["rollout.sglang_ep_per_server=3"], "rollout.sglang_ep_per_server"),  # 8 GPUs per server
     (["rollout=sglang", "rollout.sglang_urls=[http://h:1]", "rollout.weight_sync=tensor"],

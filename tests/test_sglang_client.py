@@ -75,7 +75,7 @@ def test_weight_sync_over_a_process_group(server, tiny_hf_checkpoint, perturbed_
     e.update_weights_from_disk(perturbed_checkpoint[0])
     expected = [s.response_ids for s in e.generate(PROMPTS, 1, GREEDY)]
     e.update_weights_from_disk(tiny_hf_checkpoint)
-    group = init_weights_update_group(e, master_address="127.0.0.1", master_port=_free_port(),
+    group = init_weights_update_group(e, master_address="127.0.0.1", master_port=0,
                                       engine_gpus=[1], backend="gloo", timeout_s=60)
     e.update_weights_from_distributed(sorted(perturbed_checkpoint[1].items()), group)
     assert [s.response_ids for s in e.generate(PROMPTS, 1, GREEDY)] == expected
@@ -88,10 +88,24 @@ def test_a_server_that_cannot_join_the_group_fails_it_at_once(server):
     try:
         with pytest.raises(SGLangError, match="a server did not join: .*HTTP 500"):
             init_weights_update_group(engine(server), master_address="127.0.0.1",
-                                      master_port=_free_port(), engine_gpus=[1], backend="gloo",
+                                      master_port=0, engine_gpus=[1], backend="gloo",
                                       timeout_s=600)
     finally:
         client.post("/_fault", {"mode": "500", "count": 0})
+
+
+def test_a_weight_sync_port_in_use_is_named(server):
+    """The trainer listens before any server is asked to join: a port held by another process
+    is a one-line error that names the setting."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(SGLangError, match=rf"cannot listen on port {port} \(.*EADDRINUSE.*"
+                           r"set rollout.weight_sync_port to a free port, or 0 for any"):
+            init_weights_update_group(engine(server), master_address="127.0.0.1",
+                                      master_port=port, engine_gpus=[1], backend="gloo",
+                                      timeout_s=60)
 
 
 def test_memory_release_and_resume(server):

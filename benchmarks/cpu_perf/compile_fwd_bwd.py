@@ -28,7 +28,9 @@ also as a share of the machine's fp32 matmul rate. Ratios are against ours, eage
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -96,7 +98,9 @@ def main() -> None:
 
     args.prompts, args.group_size, args.minibatches = 16, 8, 4
     args.micro_batch_size, args.steps = args.rows, 1
-    run = setup(job_from_dict(job_dict(args, tempfile.mkdtemp(prefix="compile_"))))
+    run_dir = tempfile.mkdtemp(prefix="compile_")  # removed at exit
+    atexit.register(shutil.rmtree, run_dir, True)
+    run = setup(job_from_dict(job_dict(args, run_dir)))
     g = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(3, VOCAB, (args.rows, args.seq + 1), generator=g)
     ids, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -108,9 +112,9 @@ def main() -> None:
         loss.backward()
         return loss.item()
 
-    hf_dir = tempfile.mkdtemp(prefix="compile_hf_")
-    export_hf(run.policy.gpt, run.job.model, run.ctx, hf_dir)  # our weights, in HF's layout
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with tempfile.TemporaryDirectory(prefix="compile_hf_") as hf_dir:  # (loaded, then removed)
+        export_hf(run.policy.gpt, run.job.model, run.ctx, hf_dir)  # our weights, HF's layout
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     hf_model = [hf]
 
     def hf_step():

@@ -47,7 +47,8 @@ class RolloutConfig:
     sglang_rows_per_request: int = 64  # rows of one batched /generate request
     sglang_max_in_flight: int = 32  # requests in flight at once (per replica leader)
     weight_sync_bucket_mb: float = 512.0  # weights go out in buckets of about this size
-    weight_sync_port: int = 29600  # weight_sync=distributed: the trainer's (rank 0) store port
+    # weight_sync=distributed: the port of the trainer's (rank 0) store; 0: one the system picks
+    weight_sync_port: int = 29600
     # weight_sync=distributed: the address servers reach trainer rank 0 at; empty: the address
     # of rank 0's interface that routes to the first server
     weight_sync_address: str = ""
@@ -116,6 +117,9 @@ class RolloutConfig:
             if getattr(self, key) < 1:
                 raise invalid(f"rollout.{key}", getattr(self, key), "must be >= 1",
                               "set a value >= 1")
+        if not 0 <= self.weight_sync_port <= 65535:
+            raise invalid("rollout.weight_sync_port", self.weight_sync_port,
+                          "is not a TCP port", "give one in 1..65535, or 0 for any free port")
         if not self.weight_sync_bucket_mb > 0:
             raise invalid("rollout.weight_sync_bucket_mb", self.weight_sync_bucket_mb,
                           "must be > 0",

@@ -40,7 +40,8 @@ def init_weights_update_group(engine, *, master_address: str, master_port: int,
     """The trainer's side of SGLang's weight-update group: rank 0 is the trainer, server i joins
     at rank 1 + sum of the GPUs of servers before it. The trainer group is built the way SGLang
     builds its side (TCP store under a PrefixStore named ``group_name``); a plain
-    ``init_process_group`` uses other store keys and hangs."""
+    ``init_process_group`` uses other store keys and hangs. ``master_port`` 0: the store listens
+    on a port the system picks, which the servers are told."""
     import threading
     from datetime import timedelta
 
@@ -49,21 +50,28 @@ def init_weights_update_group(engine, *, master_address: str, master_port: int,
 
     world = 1 + sum(engine_gpus)
     errors = []
-
-    def join(client, offset):
-        try:
-            client.post("/init_weights_update_group",
-                        {"master_address": master_address, "master_port": master_port,
-                         "rank_offset": offset, "world_size": world, "group_name": group_name,
-                         "backend": backend})
-        except Exception as e:
-            errors.append(e)
-
     for client in engine.clients:  # a group left by an earlier run under this name refuses joins
         try:
             client.post("/destroy_weights_update_group", {"group_name": group_name})
         except SGLangError:
             pass  # none there
+    try:  # (listening before any server is asked to join: they connect to a port that is open)
+        store = dist.TCPStore(master_address, master_port, world, is_master=True,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    except RuntimeError as e:
+        raise SGLangError(f"weight-update group {group_name!r}: trainer rank 0 cannot listen on "
+                          f"port {master_port} ({str(e).splitlines()[0]}); set "
+                          "rollout.weight_sync_port to a free port, or 0 for any") from None
+
+    def join(client, offset):
+        try:
+            client.post("/init_weights_update_group",
+                        {"master_address": master_address, "master_port": store.port,
+                         "rank_offset": offset, "world_size": world, "group_name": group_name,
+                         "backend": backend})
+        except Exception as e:
+            errors.append(e)
+
     offsets = [1 + sum(engine_gpus[:i]) for i in range(len(engine_gpus))]
     threads = [threading.Thread(target=join, args=(c, o)) for c, o in zip(engine.clients, offsets)]
     for t in threads:
@@ -72,11 +80,8 @@ def init_weights_update_group(engine, *, master_address: str, master_port: int,
 
     def build():
         try:
-            store = dist.TCPStore(master_address, master_port, world, is_master=True,
-                                  timeout=timedelta(seconds=timeout_s))
-            prefix = dist.PrefixStore(group_name, store)
             built["group"], _ = _new_process_group_helper(
-                world, 0, [], backend, prefix, group_name=group_name,
+                world, 0, [], backend, dist.PrefixStore(group_name, store), group_name=group_name,
                 timeout=timedelta(seconds=timeout_s))
         except Exception as e:
             built["error"] = e
@@ -84,15 +89,16 @@ def init_weights_update_group(engine, *, master_address: str, master_port: int,
     # The rendezvous waits for every server; a server that refuses to join ends the wait.
     builder = threading.Thread(target=build, daemon=True)
     builder.start()
-    while builder.is_alive():
-        if errors:
-            raise SGLangError(f"weight-update group {group_name!r}: a server did not join: "
-                              f"{errors[0]}")
+    while builder.is_alive() and not errors:
         builder.join(0.1)
-    for t in threads:
-        t.join()
-    if errors or "error" in built:
-        raise errors[0] if errors else built["error"]
+    if not errors:
+        for t in threads:
+            t.join()
+    if errors:
+        raise SGLangError(f"weight-update group {group_name!r}: a server did not join: "
+                          f"{errors[0]}")
+    if "error" in built:
+        raise built["error"]
     group = built["group"]
     # The group is outside the trainer's world: its ranks are its own (as SGLang registers them),
     # which collectives need to translate group ranks.

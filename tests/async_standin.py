@@ -166,12 +166,7 @@ def _serve(hf_dir, ready, host, port, *, base_tokens, tail_every, tail_factor, t
         import torch.distributed as dist
 
         if not dist.is_initialized():  # a world of its own, as SGLang's scheduler has
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                free = s.getsockname()[1]
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free}", rank=0,
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0,
                                     world_size=1)
         from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 

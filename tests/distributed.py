@@ -11,18 +11,11 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import socket
 import sys
 import traceback
 import warnings
 
 import torch
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Ranks start from a fork server that has imported these once (torch and megatron-core take
@@ -57,8 +50,11 @@ def _inherit(parent) -> None:
 
 def _entry(rank, world_size, port, fn, args, results, parent):
     _inherit(parent)
+    # As under torchrun: the launcher holds the store (listening before any rank starts, on a
+    # port the system picked) and every rank joins it as a client.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron's "apex/TE not installed"
     try:
@@ -83,7 +79,9 @@ def _entry(rank, world_size, port, fn, args, results, parent):
 def run_ranks(fn, world_size: int, *args, timeout: float = 300.0) -> list:
     ctx = _context()
     results = ctx.Queue()
-    port = _free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                                       wait_for_workers=False)
+    port = store.port
     parent = (os.getpid(), dict(os.environ), os.getcwd(), list(sys.path))
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, parent),
                          daemon=False)

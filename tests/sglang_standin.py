@@ -639,7 +639,6 @@ def trainer_sync_job(hf_dir, cases, prompts):
     import (perturbed) HF weights into the layout, push them to the server through the HF
     mapping, and return the server's greedy outputs afterwards, what was sent and the peak
     memory allocated during the sync on each rank."""
-    import socket
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -667,11 +666,8 @@ def trainer_sync_job(hf_dir, cases, prompts):
             engine.clients[0].post("/_reset_stats")
         group = None
         if case["mode"] == "distributed" and ctx.rank == 0:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
             group = init_weights_update_group(engine, master_address="127.0.0.1",
-                                              master_port=port, engine_gpus=[1], backend="gloo",
+                                              master_port=0, engine_gpus=[1], backend="gloo",
                                               timeout_s=60)
         error = None
         try:

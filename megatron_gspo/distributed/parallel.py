@@ -11,7 +11,6 @@ import atexit
 import math
 import os
 import random
-import socket
 import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
@@ -98,12 +97,6 @@ class ParallelContext:
                 f"etp={self.etp} dp={self.dp} sp={self.sequence_parallel} device={self.device.type}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def resolve_device(cfg: ParallelConfig) -> torch.device:
     """This rank's device; ``parallel.device=cuda`` without a visible GPU is a ``ConfigError``
     (a GPU job never falls back to the CPU)."""
@@ -173,7 +166,8 @@ def init_parallel(cfg: ParallelConfig, model: ModelConfig, *, seed: Optional[int
         if "RANK" in os.environ:
             dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
         else:
-            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+            # (one process: its store listens on a port the system picks as it binds)
+            dist.init_process_group(backend=backend, init_method="tcp://127.0.0.1:0",
                                     rank=0, world_size=1, timeout=timeout)
         # A process that exits with its world still up has torch destroy the process group
         # during interpreter finalization, where gloo's work threads can abort it

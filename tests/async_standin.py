@@ -166,8 +166,8 @@ def _serve(hf_dir, ready, host, port, *, base_tokens, tail_every, tail_factor, t
         import torch.distributed as dist
 
         if not dist.is_initialized():  # a world of its own, as SGLang's scheduler has
-            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0,
-                                    world_size=1)
+            dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", 0, 1, True),
+                                    rank=0, world_size=1)
         from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
         store = dist.TCPStore(body["master_address"], body["master_port"], body["world_size"],

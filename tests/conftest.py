@@ -37,6 +37,7 @@ def pytest_sessionstart(session):
         tempfile.gettempdir(), "torchinductor_" + getpass.getuser()))
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
     scratch = tempfile.mkdtemp(prefix="megatron-gspo-tests-")
+    os.chmod(scratch, 0o1777)  # as /tmp: the reward sandbox's other user makes files there too
     session.config.stash[SCRATCH] = scratch
     os.environ["TMPDIR"] = tempfile.tempdir = scratch
 

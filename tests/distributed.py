@@ -51,7 +51,9 @@ def _inherit(parent) -> None:
 def _entry(rank, world_size, port, fn, args, results, parent):
     _inherit(parent)
     # As under torchrun: the launcher holds the store (listening before any rank starts, on a
-    # port the system picked) and every rank joins it as a client.
+    # port the system picked) and every rank joins it as a client; subprocesses inherit that,
+    # as torchrun's do. (A rank keeps its world: a second world on the same store would read
+    # the first one's keys.)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE="True")

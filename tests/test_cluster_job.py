@@ -101,7 +101,7 @@ def test_two_node_job_with_separate_servers_trains_the_checkpoint(checkpoint, tm
     stats, run_dir = tmp_path / "server_stats", tmp_path / "run"
     stats.mkdir()
     log = tmp_path / "calls.log"
-    rdzv_port, sglang_port, sync_port = _free_ports(3)
+    rdzv_port, sglang_port = _free_ports(2)
     env = dict(os.environ, PATH=f"{bin_dir}:{VENV_BIN}:{os.environ['PATH']}", FAKE_LOG=str(log),
                FAKE_SBATCH_RUN="1", FAKE_HOSTS="127.0.0.1 127.0.0.2 127.0.0.3 127.0.0.4",
                MG_RDZV_PORT=str(rdzv_port), MG_SGLANG_PORT=str(sglang_port),
@@ -115,7 +115,7 @@ def test_two_node_job_with_separate_servers_trains_the_checkpoint(checkpoint, tm
         "data=files", f"data.files=[{train}]", f"data.eval_files=[{held}]", "data.eval_size=4",
         "data.reward=exact_match", "data.reward_workers=0",
         "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=4",
-        f"rollout.weight_sync_port={sync_port}", "rollout.weight_sync_bucket_mb=0.05",
+        "rollout.weight_sync_port=0", "rollout.weight_sync_bucket_mb=0.05",
         "algo.minibatches=2", "trainer.steps=2", "trainer.sft_steps=0", "trainer.save_interval=0",
         "trainer.micro_batch_size=2", "logging.progress=false", "logging.drift=false",
         *[f"{key}={value * SCALE:g}" for key, value in TIMEOUTS.items()],

@@ -5,6 +5,7 @@ connection, malformed JSON) with bounded retries."""
 
 import os
 import socket
+import time
 
 import pytest
 
@@ -12,7 +13,8 @@ from megatron_gspo.rollout.sglang.engine import SGLangEngine
 from megatron_gspo.rollout.sglang.facade import HAVE_SGLANG
 from megatron_gspo.rollout.sglang.client import (RetryPolicy, SGLangClient, SGLangError,
                                                  decode_routes)
-from megatron_gspo.rollout.sglang.weight_sync import init_weights_update_group
+from megatron_gspo.rollout.sglang.weight_sync import (destroy_weights_update_group,
+                                                       init_weights_update_group)
 from megatron_gspo.rollout.sglang.facade import launch_server
 from megatron_gspo.rollout.types import SamplingParams
 from tests.sglang_standin import start
@@ -64,10 +66,13 @@ def test_weight_sync_from_disk(server, tiny_hf_checkpoint, perturbed_checkpoint)
     assert [s.response_ids for s in e.generate(PROMPTS, 1, GREEDY)] == before  # old weights kept
 
 
-def _free_port():
+@pytest.fixture
+def closed_port():
+    """A port nothing listens on, held (bound, not listening) for the test: connections to it
+    are refused and no other process can take it meanwhile."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 def test_weight_sync_over_a_process_group(server, tiny_hf_checkpoint, perturbed_checkpoint):
@@ -79,19 +84,28 @@ def test_weight_sync_over_a_process_group(server, tiny_hf_checkpoint, perturbed_
                                       engine_gpus=[1], backend="gloo", timeout_s=60)
     e.update_weights_from_distributed(sorted(perturbed_checkpoint[1].items()), group)
     assert [s.response_ids for s in e.generate(PROMPTS, 1, GREEDY)] == expected
+    destroy_weights_update_group(e, group)
     e.update_weights_from_disk(tiny_hf_checkpoint)
 
 
 def test_a_server_that_cannot_join_the_group_fails_it_at_once(server):
+    """The refusal ends rank 0's wait in the rendezvous (600 s here) at once, and no group is
+    left under the name: the next one builds."""
     client = SGLangClient(server)
     client.post("/_fault", {"mode": "500", "count": 100})
     try:
+        start = time.monotonic()
         with pytest.raises(SGLangError, match="a server did not join: .*HTTP 500"):
             init_weights_update_group(engine(server), master_address="127.0.0.1",
                                       master_port=0, engine_gpus=[1], backend="gloo",
                                       timeout_s=600)
+        assert time.monotonic() - start < 60  # (not a speed check: the wait would be 600 s)
     finally:
         client.post("/_fault", {"mode": "500", "count": 0})
+    e = engine(server)
+    group = init_weights_update_group(e, master_address="127.0.0.1", master_port=0,
+                                      engine_gpus=[1], backend="gloo", timeout_s=60)
+    destroy_weights_update_group(e, group)
 
 
 def test_a_weight_sync_port_in_use_is_named(server):
@@ -139,8 +153,8 @@ def test_bad_requests_are_not_retried(server):
         client.post("/generate", {"text": "no ids"})
 
 
-def test_unreachable_server(tmp_path):
-    e = SGLangEngine([f"http://127.0.0.1:{_free_port()}"], num_hidden_layers=4, top_k=2,
+def test_unreachable_server(closed_port):
+    e = SGLangEngine([f"http://127.0.0.1:{closed_port}"], num_hidden_layers=4, top_k=2,
                      moe_layers=[1, 2, 3], retry=RetryPolicy(attempts=2, backoff_s=0.01,
                                                              timeout_s=0.5))
     assert not e.health()
@@ -225,8 +239,8 @@ def test_weight_updates_are_sent_once_and_generation_is_retried(server):
     assert len(e.generate(PROMPTS[:1], 1, GREEDY)) == 1
 
 
-def test_wait_ready_gives_up_with_the_server_named():
-    e = SGLangEngine([f"http://127.0.0.1:{_free_port()}"], num_hidden_layers=4, top_k=2,
+def test_wait_ready_gives_up_with_the_server_named(closed_port):
+    e = SGLangEngine([f"http://127.0.0.1:{closed_port}"], num_hidden_layers=4, top_k=2,
                      moe_layers=[1, 2, 3], retry=RetryPolicy(timeout_s=0.2))
     with pytest.raises(SGLangError, match=r"127\.0\.0\.1:\d+: not ready after 0\.3 s"):
         e.wait_ready(0.3)

@@ -387,10 +387,9 @@ def rope(torch, repeats, packed):
 
     from megatron_gspo.models import rope as rope_tables
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29611")
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not dist.is_initialized():  # (a store on a port the system picks)
+        dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", 0, 1, True), rank=0,
+                                world_size=1)
     cp = dist.new_group([0])
     config = TransformerConfig(num_layers=6, hidden_size=256, num_attention_heads=8)
     rope_tables.cache_rope_tables()

@@ -166,9 +166,10 @@ def init_parallel(cfg: ParallelConfig, model: ModelConfig, *, seed: Optional[int
         if "RANK" in os.environ:
             dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
         else:
-            # (one process: its store listens on a port the system picks as it binds)
-            dist.init_process_group(backend=backend, init_method="tcp://127.0.0.1:0",
-                                    rank=0, world_size=1, timeout=timeout)
+            # One process: its store listens on a port the system picks as it binds.
+            store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1,
+                                    timeout=timeout)
         # A process that exits with its world still up has torch destroy the process group
         # during interpreter finalization, where gloo's work threads can abort it
         # ("terminate called without an active exception", SIGABRT after the work is done).

@@ -43,6 +43,7 @@ def init_weights_update_group(engine, *, master_address: str, master_port: int,
     ``init_process_group`` uses other store keys and hangs. ``master_port`` 0: the store listens
     on a port the system picks, which the servers are told."""
     import threading
+    import time
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -59,9 +60,14 @@ def init_weights_update_group(engine, *, master_address: str, master_port: int,
         store = dist.TCPStore(master_address, master_port, world, is_master=True,
                               timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     except RuntimeError as e:
-        raise SGLangError(f"weight-update group {group_name!r}: trainer rank 0 cannot listen on "
-                          f"port {master_port} ({str(e).splitlines()[0]}); set "
-                          "rollout.weight_sync_port to a free port, or 0 for any") from None
+        cause = str(e).splitlines()[0]
+        if "EADDRINUSE" in cause:
+            raise SGLangError(f"weight-update group {group_name!r}: trainer rank 0 cannot listen "
+                              f"on port {master_port} ({cause}); set rollout.weight_sync_port to "
+                              "a free port, or 0 for any") from None
+        raise SGLangError(f"weight-update group {group_name!r}: trainer rank 0 cannot open its "
+                          f"store at {master_address}:{master_port} ({cause}); check "
+                          "rollout.weight_sync_address and rollout.weight_sync_port") from None
 
     def join(client, offset):
         try:
@@ -72,38 +78,39 @@ def init_weights_update_group(engine, *, master_address: str, master_port: int,
         except Exception as e:
             errors.append(e)
 
-    offsets = [1 + sum(engine_gpus[:i]) for i in range(len(engine_gpus))]
-    threads = [threading.Thread(target=join, args=(c, o)) for c, o in zip(engine.clients, offsets)]
-    for t in threads:
-        t.start()
     built = {}
 
     def build():
         try:
-            built["group"], _ = _new_process_group_helper(
+            group, _ = _new_process_group_helper(
                 world, 0, [], backend, dist.PrefixStore(group_name, store), group_name=group_name,
                 timeout=timedelta(seconds=timeout_s))
+            # The group is outside the trainer's world: its ranks are its own (as SGLang
+            # registers them), which collectives need to translate group ranks.
+            _world.pg_group_ranks[group] = {i: i for i in range(world)}
+            built["group"] = group
         except Exception as e:
             built["error"] = e
 
-    # The rendezvous waits for every server; a server that refuses to join ends the wait.
-    builder = threading.Thread(target=build, daemon=True)
-    builder.start()
-    while builder.is_alive() and not errors:
-        builder.join(0.1)
-    if not errors:
-        for t in threads:
-            t.join()
-    if errors:
-        raise SGLangError(f"weight-update group {group_name!r}: a server did not join: "
-                          f"{errors[0]}")
-    if "error" in built:
+    # Every server joins (its request returns once it is in the group) and rank 0 builds its
+    # side (gloo waits for every server there; NCCL connects at the first broadcast). The first
+    # failure on either side ends the wait; threads left waiting are daemons.
+    offsets = [1 + sum(engine_gpus[:i]) for i in range(len(engine_gpus))]
+    threads = [threading.Thread(target=join, args=(c, o), daemon=True)
+               for c, o in zip(engine.clients, offsets)]
+    threads.append(threading.Thread(target=build, daemon=True))
+    for t in threads:
+        t.start()
+    while not errors and "error" not in built and any(t.is_alive() for t in threads):
+        time.sleep(0.05)
+    if errors or "error" in built:
+        if built.get("group") is not None:  # (built before a server failed: leave no group)
+            dist.destroy_process_group(built["group"])
+        if errors:
+            raise SGLangError(f"weight-update group {group_name!r}: a server did not join: "
+                              f"{errors[0]}")
         raise built["error"]
-    group = built["group"]
-    # The group is outside the trainer's world: its ranks are its own (as SGLang registers them),
-    # which collectives need to translate group ranks.
-    _world.pg_group_ranks[group] = {i: i for i in range(world)}
-    return group
+    return built["group"]
 
 
 def destroy_weights_update_group(engine, group,

@@ -9,7 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_gspo.checkpoint.manager import STATE, CheckpointError, CheckpointManager
+from megatron_gspo.checkpoint.manager import CheckpointError, CheckpointManager
+from megatron_gspo.checkpoint.sources import training_config
 from megatron_gspo.config import JobConfig
 from megatron_gspo.config.errors import ConfigError
 from megatron_gspo.config.load import job_to_dict
@@ -36,7 +37,10 @@ def resume_point(job: JobConfig, ckpt: CheckpointManager) -> Optional[ResumePoin
             raise CheckpointError(f"trainer.resume={mode!r}: no such checkpoint")
         return None
     path = candidates[0]
-    saved = saved_config(path)
+    try:
+        saved = training_config(path)
+    except CheckpointError:  # (saved without its configuration: nothing to compare)
+        saved = {}
     changes = config_changes(saved, job_to_dict(job)) if saved else []
     _check_model_shape(job, path, saved, [c for c in changes if c[0] in SHAPE_KEYS])
     return ResumePoint(path, changes)
@@ -67,12 +71,6 @@ def _check_model_shape(job: JobConfig, path: str, saved: dict, differ: list) -> 
              if job.trainer.resume != "auto" else "start another run directory (hydra.run.dir=...)")
     raise ConfigError(f"{key}={now!r}: the checkpoint {path} holds a model with {held}; fix: "
                       f"resume with {fix}, or {other}")
-
-
-def saved_config(path: str) -> dict:
-    """The resolved configuration a checkpoint was saved with ({} where it has none)."""
-    with open(os.path.join(path, STATE)) as f:
-        return json.load(f).get("config") or {}
 
 
 def config_changes(saved: dict, now: dict) -> list:
